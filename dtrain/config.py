@@ -1,0 +1,226 @@
+"""The config schema (one dataclass per Hydra group) and the checks that run before any process group.
+
+Hydra rejects unknown keys and wrong types against these dataclasses; `check_config` adds the
+cross-checks that need the world size and the model's architecture. Both run on every rank before
+`init_process_group`, so a bad config fails everywhere at once instead of hanging a collective.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+PRECISIONS = ("bf16", "fp32")
+ACTIVATION_CHECKPOINTING = ("none", "full")
+SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
+WANDB_MODES = ("online", "offline", "disabled")
+DATA_FORMATS = ("prompt_response",)
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    # Hub id or local folder with config.json (+ safetensors when init=pretrained).
+    name_or_path: str | None = None
+    # Architecture for from-scratch models, or overrides on top of name_or_path's config.
+    config: dict[str, Any] = field(default_factory=dict)
+    # pretrained: load name_or_path's weights; random: seeded init, identical on every mesh.
+    init: str = "pretrained"
+    # Defaults to name_or_path.
+    tokenizer: str | None = None
+
+
+@dataclass
+class DataConfig:
+    path: str = "???"
+    format: str = "prompt_response"
+    input_key: str = "prompt"
+    output_key: str = "response"
+    system_key: str | None = None
+    max_len: int = 128
+    packing: bool = False
+    shuffle: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    dp_shard: int = -1  # -1: the rest of the world
+    dp_replicate: int = 1
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    activation_checkpointing: str = "none"
+    timeout_s: int = 600  # collectives give up after this, so a dead rank cannot hang the others
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # <= 0 disables clipping (the norm is still logged)
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    global_batch_size: int = 32
+    micro_batch_size: int = 4
+    seed: int = 0
+    log_every: int = 1
+    precision: str = "bf16"
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # 0: no periodic checkpoints
+    dir: str | None = None  # default: <run dir>/checkpoints
+    resume: str = "none"
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"
+    project: str = "dtrain"
+    entity: str | None = None
+    name: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Hydra's DictConfig (already typed by the schema) as plain dataclasses."""
+    config = OmegaConf.to_object(cfg)
+    assert isinstance(config, Config), type(config)
+    return config
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{key}={value}: must be >= 1")
+
+
+def mesh_shape(parallel: ParallelConfig, world_size: int) -> MeshShape:
+    """Resolve dp_shard=-1 and check that tp × dp_shard × dp_replicate is the world size."""
+    _positive("parallel.tp", parallel.tp)
+    _positive("parallel.dp_replicate", parallel.dp_replicate)
+    if parallel.dp_replicate != 1:
+        raise ConfigError(
+            f"parallel.dp_replicate={parallel.dp_replicate}: HSDP is not available yet; use 1"
+        )
+    dp_shard = parallel.dp_shard
+    if dp_shard == -1:
+        if world_size % (parallel.tp * parallel.dp_replicate):
+            raise ConfigError(
+                f"parallel.tp={parallel.tp} × parallel.dp_replicate={parallel.dp_replicate} "
+                f"does not divide the world size {world_size}"
+            )
+        dp_shard = world_size // (parallel.tp * parallel.dp_replicate)
+    _positive("parallel.dp_shard", dp_shard)
+    if parallel.tp * dp_shard * parallel.dp_replicate != world_size:
+        raise ConfigError(
+            f"parallel.tp={parallel.tp} × parallel.dp_shard={dp_shard} × "
+            f"parallel.dp_replicate={parallel.dp_replicate} = "
+            f"{parallel.tp * dp_shard * parallel.dp_replicate}, but the world size is {world_size}"
+        )
+    return MeshShape(parallel.dp_replicate, dp_shard, parallel.tp)
+
+
+def check_config(config: Config, world_size: int, model_config: Any) -> MeshShape:
+    """Every cross-check that can fail before launch. Returns the resolved mesh shape."""
+    shape = mesh_shape(config.parallel, world_size)
+    train, data, parallel = config.train, config.data, config.parallel
+
+    _one_of("train.precision", train.precision, PRECISIONS)
+    _one_of("parallel.activation_checkpointing", parallel.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+    _one_of("optim.schedule", config.optim.schedule, SCHEDULES)
+    _one_of("logging.wandb.mode", config.logging.wandb.mode, WANDB_MODES)
+    _one_of("data.format", data.format, DATA_FORMATS)
+    _one_of("model.init", config.model.init, ("pretrained", "random"))
+    for key, value in (
+        ("train.max_steps", train.max_steps),
+        ("train.global_batch_size", train.global_batch_size),
+        ("train.micro_batch_size", train.micro_batch_size),
+        ("train.log_every", train.log_every),
+        ("data.max_len", data.max_len),
+        ("parallel.timeout_s", parallel.timeout_s),
+    ):
+        _positive(key, value)
+    if config.optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps}: must be >= 0")
+
+    per_step = train.micro_batch_size * shape.dp
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={train.micro_batch_size} × dp={shape.dp} (= {per_step})"
+        )
+    if not os.path.isfile(data.path):
+        raise ConfigError(f"data.path={data.path!r}: no such file")
+    if data.packing:
+        raise ConfigError("data.packing=true: packing is not available yet; use false")
+    if parallel.sequence_parallel and data.max_len % shape.tp:
+        raise ConfigError(
+            f"data.max_len={data.max_len} is not divisible by parallel.tp={shape.tp}, "
+            "which sequence parallel needs (or set parallel.sequence_parallel=false)"
+        )
+    if config.checkpoint.every != 0 or config.checkpoint.resume != "none":
+        raise ConfigError(
+            "checkpoint.every / checkpoint.resume: checkpointing is not available yet; "
+            "leave checkpoint.every=0 and checkpoint.resume=none"
+        )
+    if config.model.init == "pretrained" and not config.model.name_or_path:
+        raise ConfigError("model.init=pretrained needs model.name_or_path (or set model.init=random)")
+    if not (config.model.tokenizer or config.model.name_or_path):
+        raise ConfigError("model.tokenizer: needed when model.name_or_path is not set")
+
+    for key in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+        value = getattr(model_config, key)
+        if value % shape.tp:
+            raise ConfigError(f"model {key}={value} is not divisible by parallel.tp={shape.tp}")
+    return shape

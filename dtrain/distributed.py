@@ -1,0 +1,84 @@
+"""Process group and DeviceMesh: the only place that knows about ranks, backends and devices."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dtrain.config import MeshShape
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The mesh and the sub-meshes each stage needs, built once per run."""
+
+    mesh: DeviceMesh  # ("dp_shard", "tp"), or ("dp_replicate", "dp_shard", "tp") for HSDP
+    dp_mesh: DeviceMesh  # what FSDP shards over and what data/loss are split over
+    tp_mesh: DeviceMesh
+    device: torch.device
+
+    @property
+    def dp_rank(self) -> int:
+        rank = 0
+        for size, coordinate in zip(self.dp_mesh.shape, self.dp_mesh.get_coordinate(), strict=True):
+            rank = rank * size + coordinate
+        return rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_mesh.size()
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp_mesh.size()
+
+
+def rank_from_env() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def device_for_this_process() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: int) -> torch.device:
+    """Start the default process group once per process (a Hydra sweep reuses it for every job)."""
+    device = device_for_this_process()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    else:  # plain `python -m dtrain.sft`: one process, no rendezvous needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return device
+
+
+def build_parallel(shape: MeshShape, device: torch.device) -> Parallel:
+    """The named mesh. With dp_replicate > 1 the dp sub-mesh is 2-D (HSDP)."""
+    if shape.dp_replicate > 1:
+        mesh = init_device_mesh(
+            device.type,
+            (shape.dp_replicate, shape.dp_shard, shape.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        )
+        dp_mesh = mesh["dp_replicate", "dp_shard"]
+    else:
+        mesh = init_device_mesh(device.type, (shape.dp_shard, shape.tp), mesh_dim_names=("dp_shard", "tp"))
+        dp_mesh = mesh["dp_shard"]
+    return Parallel(mesh=mesh, dp_mesh=dp_mesh, tp_mesh=mesh["tp"], device=device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,176 @@
+"""Build the HF model on the meta device, then fill each rank's shards: HF safetensors slices read
+straight into the sharded parameters, or a seeded init that is the same on every mesh."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from dtrain.config import ConfigError, ModelConfig
+
+ATTENTION = "dtrain_causal"
+_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
+
+def causal_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal sdpa over the full (gathered) sequence. HF would build its mask from the local,
+    sequence-sharded length, so the mask is never built (see `_no_mask`) and padding is on the right."""
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        dropout_p=dropout,
+        is_causal=True,
+        scale=scaling,
+        enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+AttentionInterface.register(ATTENTION, causal_attention)
+AttentionMaskInterface.register(ATTENTION, _no_mask)
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A local folder as is; a hub id downloaded (config, tokenizer, safetensors) into the HF cache."""
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(
+            name_or_path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+        )
+    except Exception as error:  # the hub's errors are many; the user needs the id and the cause
+        raise ConfigError(
+            f"model.name_or_path={name_or_path!r}: not a local folder, and the hub download failed: {error}"
+        ) from error
+
+
+def load_model_config(settings: ModelConfig) -> PretrainedConfig:
+    """The architecture: from name_or_path (if set), with settings.config applied on top."""
+    overrides = dict(settings.config)
+    if settings.name_or_path:
+        config = AutoConfig.from_pretrained(resolve_model_path(settings.name_or_path))
+        for key, value in overrides.items():
+            setattr(config, key, value)
+    else:
+        if "model_type" not in overrides:
+            raise ConfigError("model.config.model_type: needed for a model without model.name_or_path")
+        config = AutoConfig.for_model(**overrides)
+    return config
+
+
+def build_meta_model(config: PretrainedConfig) -> nn.Module:
+    config._attn_implementation = ATTENTION
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, dtype=torch.float32)
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device, settings: ModelConfig, seed: int) -> None:
+    """Allocate this rank's shards on `device` and fill them."""
+    model.to_empty(device=device)
+    reset_rotary_buffers(model, device)
+    if settings.init == "pretrained":
+        assert settings.name_or_path
+        load_hf_weights(model, resolve_model_path(settings.name_or_path))
+    else:
+        init_weights(model, seed)
+
+
+def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
+    """inv_freq is a non-persistent buffer: to_empty() leaves garbage and no checkpoint restores it."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "rope_type"):
+            init_fn = (
+                module.compute_default_rope_parameters
+                if module.rope_type == "default"
+                else _rope_init_functions()[module.rope_type]
+            )
+            inv_freq, module.attention_scaling = init_fn(module.config)
+            module.inv_freq = inv_freq.to(device)
+            module.original_inv_freq = inv_freq.clone().to(device)
+
+
+def _rope_init_functions() -> dict:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS
+
+
+def canonical_name(name: str) -> str:
+    """The HF name of a parameter, whatever wrappers (activation checkpointing) sit around it."""
+    return name.replace(_WRAPPER_PREFIX, "")
+
+
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict under HF names, without the tied lm_head (HF files omit it)."""
+    state = {canonical_name(k): v for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def load_hf_weights(model: nn.Module, folder: str) -> None:
+    """Each rank reads only its slices of the safetensors files (DCP's HF reader does the planning)."""
+    files = list(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model.name_or_path={folder!r}: no *.safetensors files to load")
+    state = hf_state_dict(model)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(folder))
+
+
+def local_slices(param: torch.Tensor) -> tuple[slice, ...]:
+    """Which part of the full tensor this rank holds."""
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, n) for n in param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """HF Llama's init (normal(0, initializer_range), norms at one), drawn per parameter from a
+    generator keyed on (seed, name) over the full shape, so the weights do not depend on the mesh.
+    Only one full parameter exists at a time, on the CPU."""
+    std = model.config.initializer_range
+    for name, param in model.named_parameters():
+        name = canonical_name(name)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+            continue
+        if name.endswith(".bias"):
+            local.zero_()
+            continue
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = torch.empty(param.shape).normal_(0.0, std, generator=generator)
+        local.copy_(full[local_slices(param)])

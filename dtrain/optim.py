@@ -1,0 +1,44 @@
+"""AdamW over the DTensor parameters, the LR schedule, and the global gradient norm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LRScheduler
+from transformers import get_scheduler
+
+from dtrain.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, settings: OptimConfig) -> torch.optim.Optimizer:
+    """No weight decay on norms and biases (1-D parameters)."""
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    groups = [
+        {"params": matrices, "weight_decay": settings.weight_decay},
+        {"params": vectors, "weight_decay": 0.0},
+    ]
+    # foreach, not fused: torchtitan reports a fused-AdamW host-memory leak with DTensor.
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=tuple(settings.betas), eps=settings.eps, foreach=True)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, settings: OptimConfig, max_steps: int) -> LRScheduler:
+    return get_scheduler(
+        settings.schedule,
+        optimizer,
+        num_warmup_steps=settings.warmup_steps,
+        num_training_steps=max_steps,
+    )
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The true global norm over both mesh axes; grads are scaled only when max_norm > 0."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(total, DTensor):  # a partial norm over (dp, tp): reduce it to the full value
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total

@@ -1,0 +1,35 @@
+"""Parallel styles torch does not ship."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated over tp (so they live on the 2-D mesh like all others); inputs and
+    outputs stay plain tensors that are identical on every tp rank."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, input_fn=_inputs_to_replicate, output_fn=_output_to_local
+        )
+
+
+def _inputs_to_replicate(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False) if _is_plain_tensor(x) else x
+        for x in inputs
+    )
+
+
+def _output_to_local(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def _is_plain_tensor(x: Any) -> bool:
+    return hasattr(x, "shape") and not isinstance(x, DTensor)

@@ -1,0 +1,97 @@
+"""`torchrun -m dtrain.sft [+experiment=NAME] [key=value ...]`: the Hydra entry point.
+
+Every rank runs Hydra. The run folder is keyed on an id all ranks share, and only rank 0 writes
+`.hydra/`, Hydra's log file and `config.yaml`. The config is checked before the process group
+exists, so a bad value fails on every rank at once with one message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from dtrain.config import Config, ConfigError, check_config, to_config, world_size_from_env
+from dtrain.distributed import init_distributed, rank_from_env, shutdown
+from dtrain.metrics import setup_console_logging
+from dtrain.model import load_model_config
+
+ASSETS = Path(__file__).parent / "assets"
+EXIT_CONFIG_ERROR = 2
+
+
+def run_id() -> str:
+    """An id every rank computes alike without talking to the others."""
+    if os.environ.get("DTRAIN_RUN_ID"):
+        return os.environ["DTRAIN_RUN_ID"]
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if elastic == "none":  # torchrun --rdzv-endpoint without --rdzv-id
+        raise ConfigError(
+            "the ranks share no run id: pass --rdzv-id to torchrun, set DTRAIN_RUN_ID, or set hydra.run.dir"
+        )
+    if elastic:
+        return f"torchrun-{elastic}"
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+ConfigStore.instance().store(name="dtrain_schema", node=Config)
+OmegaConf.register_new_resolver("dtrain_run_id", run_id, use_cache=True)
+OmegaConf.register_new_resolver("dtrain_asset", lambda name: str(ASSETS / name))
+# bf16 where it is fast (CUDA); fp32 on CPU, where bf16 is slow and the tests need exact numerics.
+OmegaConf.register_new_resolver(
+    "dtrain_default_precision", lambda: "bf16" if torch.cuda.is_available() else "fp32"
+)
+
+
+def fail(message: str) -> None:
+    """One message per node (not one per rank), then the same exit code on every rank."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_CONFIG_ERROR)
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def hydra_main(cfg: DictConfig) -> None:
+    is_rank0 = rank_from_env() == 0
+    if is_rank0:
+        setup_console_logging()
+    try:
+        config = to_config(cfg)
+        model_config = load_model_config(config.model)
+        shape = check_config(config, world_size_from_env(), model_config)
+    except ConfigError as error:
+        fail(str(error))
+
+    from dtrain.trainer import train  # after validation: a bad config should not wait on imports
+
+    device = init_distributed(config.parallel.timeout_s)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    if is_rank0:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    try:
+        train(config, shape, model_config, device, run_dir, resolved)
+    except ConfigError as error:  # raised alike on every rank (same files, same config)
+        fail(str(error))
+
+
+def main() -> None:
+    if rank_from_env() != 0:
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    try:
+        hydra_main()
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
