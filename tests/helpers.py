@@ -1,0 +1,75 @@
+"""Shared by the tests: tiny models saved with save_pretrained, the config for parity runs, and a
+torchrun launcher that never hangs the suite."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from dtrain.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "dtrain" / "assets"
+DATASET = ASSETS / "sft_tiny.jsonl"
+TOKENIZER = ASSETS / "tokenizer"
+
+# Small enough for 2 CPU cores; 4 heads and 4 KV heads so that tp=4 divides them.
+TINY = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
+STEPS, GLOBAL_BATCH, MICRO_BATCH, MAX_LEN = 10, 16, 2, 32
+
+
+def save_tiny_llama(folder: Path, tied: bool, seed: int = 0) -> Path:
+    """A tiny HF Llama with random weights, written the way users' checkpoints are."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tied))
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
+    return folder
+
+
+def parity_config(model_dir: Path | None, dp: int, tp: int, sequence_parallel: bool = True) -> Config:
+    """The run every mesh must reproduce: fp32, accumulation, clipping, decay, warmup + cosine."""
+    model = (
+        ModelConfig(name_or_path=str(model_dir), init="pretrained")
+        if model_dir
+        else ModelConfig(config=dict(model_type="llama", **TINY), init="random", tokenizer=str(TOKENIZER))
+    )
+    return Config(
+        model=model,
+        data=DataConfig(path=str(DATASET), max_len=MAX_LEN),
+        parallel=ParallelConfig(tp=tp, dp_shard=dp, sequence_parallel=sequence_parallel),
+        optim=OptimConfig(lr=3e-3, weight_decay=0.1, max_grad_norm=1.0, schedule="cosine", warmup_steps=2),
+        train=TrainConfig(
+            max_steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, precision="fp32"
+        ),
+    )
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `torchrun --standalone --nproc_per_node=N ARGS` and return it (stdout+stderr in .stdout)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return run(command, timeout=timeout, env=env)
+
+
+def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = ROOT):
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    return subprocess.run(
+        command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )

@@ -1,0 +1,120 @@
+"""Launched by the tests under torchrun: every scenario for this world size on one process group.
+
+For each scenario rank 0 saves `<out>/<name>.pt` with the logged history and the final full
+parameters; every rank asserts the sharding invariants (a failure exits non-zero). The pytest side
+compares the files with a single-process Hugging Face reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers import MAX_LEN, parity_config  # noqa: E402
+
+from dtrain.config import check_config  # noqa: E402
+from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
+from dtrain.model import build_meta_model, load_model_config, materialize  # noqa: E402
+from dtrain.parallel.parallelize import parallelize  # noqa: E402
+from dtrain.trainer import train  # noqa: E402
+
+# name: (dp, tp, model, sequence_parallel); model is "untied", "tied" or "random" (seeded init)
+SCENARIOS = {
+    1: {"1x1": (1, 1, "untied", True), "1x1_tied": (1, 1, "tied", True), "1x1_random": (1, 1, "random", True)},
+    2: {"2x1": (2, 1, "untied", True), "1x2": (1, 2, "untied", True), "1x2_tied": (1, 2, "tied", True)},
+    4: {
+        "2x2": (2, 2, "untied", True),
+        "2x2_tied": (2, 2, "tied", True),
+        "2x2_no_sp": (2, 2, "untied", False),
+        "1x4": (1, 4, "untied", True),
+        "4x1": (4, 1, "untied", True),
+        "2x2_random": (2, 2, "random", True),
+    },
+}
+
+
+def check_sharding(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp: int, tp: int) -> None:
+    """Parameters, gradients and AdamW states: DTensors on the one 2-D mesh, sharded over both axes
+    where tp shards them, each local shard at most ceil(numel / (dp·tp))."""
+    names = ("dp_shard", "tp")
+    for name, param in model.named_parameters():
+        states = optimizer.state[param]
+        for label, tensor in [("param", param), ("grad", param.grad), *states.items()]:
+            if label == "step":
+                continue
+            assert isinstance(tensor, DTensor), f"{label} of {name} is not a DTensor"
+            assert tuple(tensor.device_mesh.mesh_dim_names) == names, f"{label} of {name}: {tensor.device_mesh}"
+            assert tensor.placements == param.placements, f"{label} of {name}: {tensor.placements}"
+        tp_sharded = isinstance(param.placements[1], Shard)
+        bound = math.ceil(param.numel() / (dp * tp if tp_sharded else dp))
+        assert param.to_local().numel() <= bound, f"{name}: {param.to_local().numel()} > {bound}"
+        if any(key in name for key in ("embed_tokens", "lm_head", "proj")):
+            assert tp == 1 or tp_sharded, f"{name} is not sharded over tp: {param.placements}"
+
+
+def one_backward(model: torch.nn.Module) -> None:
+    """Leave gradients in place (the trainer zeroes them after each step) for check_sharding."""
+    ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) % 50
+    positions = torch.arange(MAX_LEN).expand(2, -1)
+    from dtrain.loss import loss_context, summed_cross_entropy
+
+    with loss_context(True):
+        summed_cross_entropy(model(input_ids=ids, position_ids=positions).logits, ids).backward()
+
+
+def fresh_model(config, model_config, shape, device) -> torch.nn.Module:
+    """The sharded model as loaded or initialised, before any step."""
+    model = build_meta_model(model_config)
+    parallelize(model, build_parallel(shape, device), config.parallel, "fp32")
+    materialize(model, device, config.model, seed=config.train.seed)
+    return model
+
+
+def logits_on_fixed_batch(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.arange(3 * MAX_LEN).reshape(3, MAX_LEN) * 7 % 1000
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=torch.arange(MAX_LEN).expand(3, -1)).logits
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--untied", type=Path, required=True)
+    parser.add_argument("--tied", type=Path, required=True)
+    args = parser.parse_args()
+    device = init_distributed(timeout_s=300)
+    world = dist.get_world_size()
+    for name, (dp, tp, kind, sequence_parallel) in SCENARIOS[world].items():
+        model_dir = {"untied": args.untied, "tied": args.tied, "random": None}[kind]
+        config = parity_config(model_dir, dp, tp, sequence_parallel)
+        model_config = load_model_config(config.model)
+        shape = check_config(config, world, model_config)
+        run_dir = args.out / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        result = train(config, shape, model_config, device, run_dir, resolved={})
+        one_backward(result.model)
+        check_sharding(result.model, result.optimizer, dp, tp)
+        params = {n: p.full_tensor() for n, p in result.model.named_parameters()}
+        saved = {"history": result.history, "params": params}
+        fresh = fresh_model(config, model_config, shape, device)
+        if kind == "random":
+            saved["init"] = {n: p.full_tensor() for n, p in fresh.named_parameters()}
+        else:
+            saved["logits"] = logits_on_fixed_batch(fresh)
+        if dist.get_rank() == 0:
+            torch.save(saved, args.out / f"{name}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
