@@ -20,7 +20,9 @@ def build_optimizer(model: nn.Module, settings: OptimConfig) -> torch.optim.Opti
         {"params": vectors, "weight_decay": 0.0},
     ]
     # foreach, not fused: torchtitan reports a fused-AdamW host-memory leak with DTensor.
-    return torch.optim.AdamW(groups, lr=settings.lr, betas=tuple(settings.betas), eps=settings.eps, foreach=True)
+    return torch.optim.AdamW(
+        groups, lr=settings.lr, betas=tuple(settings.betas), eps=settings.eps, foreach=True
+    )
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, settings: OptimConfig, max_steps: int) -> LRScheduler:

@@ -83,7 +83,9 @@ def train(
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
             with loss_context(config.parallel.loss_parallel):
-                logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
+                logits = model(
+                    input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False
+                ).logits
                 loss = summed_cross_entropy(logits, mb["labels"])
                 (loss / tokens).backward()
             loss_sum += loss.detach()
@@ -129,9 +131,10 @@ def log_summary(model: torch.nn.Module, parallel: Parallel, config: Config, num_
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     train = config.train
     accumulation = train.global_batch_size // (train.micro_batch_size * parallel.dp_size)
+    mesh = dict(zip(parallel.mesh.mesh_dim_names, parallel.mesh.shape, strict=True))
     log.info(
         f"model {model.config.model_type}: {num_params / 1e6:.2f} M parameters, "
-        f"{local / 1e6:.3f} M on each rank | mesh {dict(zip(parallel.mesh.mesh_dim_names, parallel.mesh.shape, strict=True))} "
+        f"{local / 1e6:.3f} M on rank 0 | mesh {mesh} "
         f"on {parallel.device.type} | global batch {train.global_batch_size}, micro batch "
         f"{train.micro_batch_size}, {accumulation} accumulation steps | {n} examples, "
         f"max_len {config.data.max_len}"

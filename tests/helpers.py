@@ -62,14 +62,29 @@ def parity_config(model_dir: Path | None, dp: int, tp: int, sequence_parallel: b
     )
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, *args: str, timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run `torchrun --standalone --nproc_per_node=N ARGS` and return it (stdout+stderr in .stdout)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *args,
+    ]
     return run(command, timeout=timeout, env=env)
 
 
 def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = ROOT):
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run(
-        command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        command,
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
     )

@@ -25,7 +25,10 @@ MESH_RUNS = {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {"untied": save_tiny_llama(root / "untied", tied=False), "tied": save_tiny_llama(root / "tied", tied=True)}
+    return {
+        "untied": save_tiny_llama(root / "untied", tied=False),
+        "tied": save_tiny_llama(root / "tied", tied=True),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +108,9 @@ def test_loss_grad_norm_and_weights_match_single_process_hf(mesh_runs, reference
 
 @pytest.mark.parametrize("kind,name", [("untied", "2x2"), ("tied", "2x2_tied")])
 def test_loaded_checkpoint_gives_from_pretrained_logits(models, mesh_runs, kind, name):
-    model = AutoModelForCausalLM.from_pretrained(models[kind], dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        models[kind], dtype=torch.float32, attn_implementation="sdpa"
+    )
     ids = torch.arange(3 * MAX_LEN).reshape(3, MAX_LEN) * 7 % 1000
     with torch.no_grad():
         expected = model(input_ids=ids).logits

@@ -28,7 +28,11 @@ from dtrain.trainer import train  # noqa: E402
 
 # name: (dp, tp, model, sequence_parallel); model is "untied", "tied" or "random" (seeded init)
 SCENARIOS = {
-    1: {"1x1": (1, 1, "untied", True), "1x1_tied": (1, 1, "tied", True), "1x1_random": (1, 1, "random", True)},
+    1: {
+        "1x1": (1, 1, "untied", True),
+        "1x1_tied": (1, 1, "tied", True),
+        "1x1_random": (1, 1, "random", True),
+    },
     2: {"2x1": (2, 1, "untied", True), "1x2": (1, 2, "untied", True), "1x2_tied": (1, 2, "tied", True)},
     4: {
         "2x2": (2, 2, "untied", True),
@@ -51,7 +55,9 @@ def check_sharding(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp:
             if label == "step":
                 continue
             assert isinstance(tensor, DTensor), f"{label} of {name} is not a DTensor"
-            assert tuple(tensor.device_mesh.mesh_dim_names) == names, f"{label} of {name}: {tensor.device_mesh}"
+            assert tuple(tensor.device_mesh.mesh_dim_names) == names, (
+                f"{label} of {name}: {tensor.device_mesh}"
+            )
             assert tensor.placements == param.placements, f"{label} of {name}: {tensor.placements}"
         tp_sharded = isinstance(param.placements[1], Shard)
         bound = math.ceil(param.numel() / (dp * tp if tp_sharded else dp))

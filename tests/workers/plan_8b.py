@@ -1,0 +1,31 @@
+"""Llama-3-8B on the meta device with a fake process group: per-rank sharded bytes for several
+(world, tp). Prints one JSON object per configuration. Launched by tests/test_scale.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from dtrain.config import MeshShape, ModelConfig, ParallelConfig
+from dtrain.distributed import build_parallel
+from dtrain.model import build_meta_model, load_model_config
+from dtrain.parallel.parallelize import parallelize
+
+architecture = OmegaConf.to_container(OmegaConf.load(sys.argv[1]))["config"]
+for world, tp in [(4, 2), (4, 4), (8, 4), (8, 8), (64, 8)]:
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    model_config = load_model_config(ModelConfig(config=architecture, init="random"))
+    model = build_meta_model(model_config)
+    parallel = build_parallel(MeshShape(1, world // tp, tp), torch.device("cpu"))
+    parallelize(model, parallel, ParallelConfig(tp=tp, activation_checkpointing="full"), "bf16")
+    local = {n: p.to_local().numel() * p.element_size() for n, p in model.named_parameters()}
+    total = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    print(json.dumps({"world": world, "tp": tp, "local": local, "total": total}), flush=True)
+    dist.destroy_process_group()
