@@ -44,7 +44,7 @@ def save_tiny_llama(folder: Path, tied: bool, seed: int = 0) -> Path:
     return folder
 
 
-def parity_config(model_dir: Path | None, dp: int, tp: int, sequence_parallel: bool = True) -> Config:
+def parity_config(model_dir: Path | None, dp: int, tp: int) -> Config:
     """The run every mesh must reproduce: fp32, accumulation, clipping, decay, warmup + cosine."""
     model = (
         ModelConfig(name_or_path=str(model_dir), init="pretrained")
@@ -54,7 +54,7 @@ def parity_config(model_dir: Path | None, dp: int, tp: int, sequence_parallel: b
     return Config(
         model=model,
         data=DataConfig(path=str(DATASET), max_len=MAX_LEN),
-        parallel=ParallelConfig(tp=tp, dp_shard=dp, sequence_parallel=sequence_parallel),
+        parallel=ParallelConfig(tp=tp, dp_shard=dp),
         optim=OptimConfig(lr=3e-3, weight_decay=0.1, max_grad_norm=1.0, schedule="cosine", warmup_steps=2),
         train=TrainConfig(
             max_steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, precision="fp32"

@@ -22,27 +22,39 @@ from helpers import MAX_LEN, parity_config  # noqa: E402
 
 from dtrain.config import check_config  # noqa: E402
 from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
-from dtrain.model import build_meta_model, load_model_config, materialize  # noqa: E402
+from dtrain.model import build_meta_model, canonical_name, load_model_config, materialize  # noqa: E402
 from dtrain.parallel.parallelize import parallelize  # noqa: E402
 from dtrain.trainer import train  # noqa: E402
 
-# name: (dp, tp, model, sequence_parallel); model is "untied", "tied" or "random" (seeded init)
+# name: (dp, tp, model, overrides); model is "untied", "tied" or "random" (seeded init)
 SCENARIOS = {
     1: {
-        "1x1": (1, 1, "untied", True),
-        "1x1_tied": (1, 1, "tied", True),
-        "1x1_random": (1, 1, "random", True),
+        "1x1": (1, 1, "untied", {}),
+        "1x1_tied": (1, 1, "tied", {}),
+        "1x1_random": (1, 1, "random", {}),
     },
-    2: {"2x1": (2, 1, "untied", True), "1x2": (1, 2, "untied", True), "1x2_tied": (1, 2, "tied", True)},
+    2: {
+        "2x1": (2, 1, "untied", {}),
+        "1x2": (1, 2, "untied", {}),
+        "1x2_tied": (1, 2, "tied", {}),
+    },
     4: {
-        "2x2": (2, 2, "untied", True),
-        "2x2_tied": (2, 2, "tied", True),
-        "2x2_no_sp": (2, 2, "untied", False),
-        "1x4": (1, 4, "untied", True),
-        "4x1": (4, 1, "untied", True),
-        "2x2_random": (2, 2, "random", True),
+        "2x2": (2, 2, "untied", {}),
+        "2x2_tied": (2, 2, "tied", {}),
+        "2x2_no_sp": (2, 2, "untied", {"parallel.sequence_parallel": False}),
+        "2x2_ac": (2, 2, "untied", {"parallel.activation_checkpointing": "full"}),
+        "2x2_bf16": (2, 2, "untied", {"train.precision": "bf16"}),
+        "1x4": (1, 4, "untied", {}),
+        "4x1": (4, 1, "untied", {}),
+        "2x2_random": (2, 2, "random", {}),
     },
 }
+
+
+def apply_overrides(config: object, overrides: dict) -> None:
+    for key, value in overrides.items():
+        group, name = key.split(".")
+        setattr(getattr(config, group), name, value)
 
 
 def check_sharding(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp: int, tp: int) -> None:
@@ -99,9 +111,10 @@ def main() -> None:
     args = parser.parse_args()
     device = init_distributed(timeout_s=300)
     world = dist.get_world_size()
-    for name, (dp, tp, kind, sequence_parallel) in SCENARIOS[world].items():
+    for name, (dp, tp, kind, overrides) in SCENARIOS[world].items():
         model_dir = {"untied": args.untied, "tied": args.tied, "random": None}[kind]
-        config = parity_config(model_dir, dp, tp, sequence_parallel)
+        config = parity_config(model_dir, dp, tp)
+        apply_overrides(config, overrides)
         model_config = load_model_config(config.model)
         shape = check_config(config, world, model_config)
         run_dir = args.out / name
@@ -109,7 +122,7 @@ def main() -> None:
         result = train(config, shape, model_config, device, run_dir, resolved={})
         one_backward(result.model)
         check_sharding(result.model, result.optimizer, dp, tp)
-        params = {n: p.full_tensor() for n, p in result.model.named_parameters()}
+        params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
         saved = {"history": result.history, "params": params}
         fresh = fresh_model(config, model_config, shape, device)
         if kind == "random":
