@@ -18,6 +18,7 @@ ACTIVATION_CHECKPOINTING = ("none", "full")
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 WANDB_MODES = ("online", "offline", "disabled")
 DATA_FORMATS = ("prompt_response",)
+EXPORT_DTYPES = ("bf16", "fp32")
 
 
 class ConfigError(ValueError):
@@ -84,7 +85,11 @@ class TrainConfig:
 class CheckpointConfig:
     every: int = 0  # 0: no periodic checkpoints
     dir: str | None = None  # default: <run dir>/checkpoints
-    resume: str = "none"
+    resume: str = "auto"  # auto: the newest complete checkpoint in dir, if any; none; or a path
+    keep: int = 2
+    save_final: bool = True  # also save after the last step
+    export_hf: bool = False  # write a Hugging Face folder to <run dir>/hf at the end
+    export_dtype: str = "bf16"
 
 
 @dataclass
@@ -207,11 +212,10 @@ def check_config(config: Config, world_size: int, model_config: Any) -> MeshShap
             f"data.max_len={data.max_len} is not divisible by parallel.tp={shape.tp}, "
             "which sequence parallel needs (or set parallel.sequence_parallel=false)"
         )
-    if config.checkpoint.every != 0 or config.checkpoint.resume != "none":
-        raise ConfigError(
-            "checkpoint.every / checkpoint.resume: checkpointing is not available yet; "
-            "leave checkpoint.every=0 and checkpoint.resume=none"
-        )
+    if config.checkpoint.every < 0:
+        raise ConfigError(f"checkpoint.every={config.checkpoint.every}: must be >= 0 (0: final save only)")
+    _positive("checkpoint.keep", config.checkpoint.keep)
+    _one_of("checkpoint.export_dtype", config.checkpoint.export_dtype, EXPORT_DTYPES)
     if config.model.init == "pretrained" and not config.model.name_or_path:
         raise ConfigError("model.init=pretrained needs model.name_or_path (or set model.init=random)")
     if not (config.model.tokenizer or config.model.name_or_path):

@@ -153,6 +153,13 @@ class StepBatches:
         epoch, position = divmod(global_index, len(self.examples))
         return self.examples[self._order(epoch)[position]]
 
+    def state_dict(self) -> dict:
+        """The position in the stream is the step itself, restored with the training progress."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """Step is 0-based. Returns global_batch / (micro × dp) micro-batches."""
         start = step * self.global_batch_size + self.dp_rank * self.per_rank

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import resource
-import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +38,7 @@ class JsonlSink:
     """metrics.jsonl: one object per logged step, flushed as written (the contract and test oracle)."""
 
     def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         self.file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -95,16 +95,6 @@ def open_sinks(config: Config, resolved: dict[str, Any], run_dir: Path) -> list[
     if config.logging.wandb.mode != "disabled":
         sinks.append(WandbSink(config.logging.wandb, resolved, run_dir))
     return sinks
-
-
-def setup_console_logging() -> None:
-    """dtrain's own lines on rank 0's stdout, whatever Hydra did with the root logger."""
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("[dtrain] %(message)s"))
-        log.addHandler(handler)
-        log.propagate = False
-    log.setLevel(logging.INFO)
 
 
 def flops_per_token(model_config: Any, num_params: int, seq_len: int) -> float:

@@ -18,9 +18,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from dtrain.checkpoint import CheckpointError, checkpoint_dir, find_resume_path
 from dtrain.config import Config, ConfigError, check_config, to_config, world_size_from_env
 from dtrain.distributed import init_distributed, rank_from_env, shutdown
-from dtrain.metrics import setup_console_logging
 from dtrain.model import load_model_config
 
 ASSETS = Path(__file__).parent / "assets"
@@ -62,25 +62,24 @@ def fail(message: str) -> None:
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
     is_rank0 = rank_from_env() == 0
-    if is_rank0:
-        setup_console_logging()
     try:
         config = to_config(cfg)
         model_config = load_model_config(config.model)
         shape = check_config(config, world_size_from_env(), model_config)
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        resume_from = find_resume_path(config.checkpoint, checkpoint_dir(config.checkpoint, run_dir))
     except ConfigError as error:
         fail(str(error))
 
     from dtrain.trainer import train  # after validation: a bad config should not wait on imports
 
     device = init_distributed(config.parallel.timeout_s)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if is_rank0:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     try:
-        train(config, shape, model_config, device, run_dir, resolved)
-    except ConfigError as error:  # raised alike on every rank (same files, same config)
+        train(config, shape, model_config, device, run_dir, resolved, resume_from)
+    except (ConfigError, CheckpointError) as error:  # raised alike on every rank
         fail(str(error))
 
 

@@ -11,9 +11,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtrain.checkpoint import Checkpointer, Progress, checkpoint_dir, load
 from dtrain.config import Config, MeshShape
 from dtrain.data import IGNORE, StepBatches, load_examples, load_tokenizer
 from dtrain.distributed import Parallel, build_parallel
+from dtrain.export import export_hf
 from dtrain.loss import loss_context, summed_cross_entropy
 from dtrain.metrics import count_parameters, flops_per_token, log, open_sinks, peak_flops, peak_memory_gib
 from dtrain.model import build_meta_model, materialize, resolve_model_path
@@ -35,8 +37,10 @@ def train(
     device: torch.device,
     run_dir: Path,
     resolved: dict[str, Any],
+    resume_from: Path | None = None,
 ) -> RunResult:
-    """Train; rank 0 also writes the logged records to the sinks."""
+    """Train (from `resume_from`, a checkpoint folder, if given); rank 0 also writes the logged
+    records to the sinks."""
     is_rank0 = dist.get_rank() == 0
     parallel = build_parallel(shape, device)
     torch.manual_seed(config.train.seed)
@@ -63,6 +67,9 @@ def train(
         shuffle=config.data.shuffle,
     )
 
+    progress = load(resume_from, model, optimizer, scheduler, batches) if resume_from else Progress()
+    checkpointer = Checkpointer(config.checkpoint, checkpoint_dir(config.checkpoint, run_dir), resolved)
+
     num_params = count_parameters(model)
     flops = flops_per_token(model_config, num_params, config.data.max_len)
     peak = peak_flops(device)
@@ -72,8 +79,9 @@ def train(
 
     history: list[dict[str, Any]] = []
     dp_group = parallel.dp_mesh.get_group()
-    interval_start, interval_tokens = time.perf_counter(), 0
-    for step in range(config.train.max_steps):
+    interval_start, interval_tokens, last_logged = time.perf_counter(), 0, progress.step
+    tokens_seen = torch.tensor(float(progress.tokens_seen), device=device)
+    for step in range(progress.step, config.train.max_steps):
         micro_batches = [
             {k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in batches.micro_batches(step)
         ]
@@ -94,16 +102,20 @@ def train(
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        tokens_seen += tokens
 
         interval_tokens += config.train.global_batch_size * config.data.max_len
         done = step + 1
+        if checkpointer.due(done, config.train.max_steps):
+            progress = Progress(step=done, tokens_seen=int(tokens_seen.item()))
+            checkpointer.save(model, optimizer, scheduler, batches, progress)
         if done % config.train.log_every and done != config.train.max_steps:
             continue
         dist.all_reduce(loss_sum, group=dp_group)
         memory = torch.tensor(peak_memory_gib(device), device=device)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
         elapsed = time.perf_counter() - interval_start
-        steps_in_interval = done - (history[-1]["step"] if history else 0)
+        steps_in_interval = done - last_logged
         supervised = int(tokens.item())
         record = {
             "step": done,
@@ -120,8 +132,10 @@ def train(
         history.append(record)
         for sink in sinks:
             sink.write(record)
-        interval_start, interval_tokens = time.perf_counter(), 0
+        interval_start, interval_tokens, last_logged = time.perf_counter(), 0, done
 
+    if config.checkpoint.export_hf:
+        export_hf(model, tokenizer, run_dir / "hf", config.checkpoint.export_dtype)
     for sink in sinks:
         sink.close()
     return RunResult(history, model, optimizer)

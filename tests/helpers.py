@@ -11,7 +11,15 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from dtrain.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from dtrain.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "dtrain" / "assets"
@@ -35,11 +43,11 @@ TINY = dict(
 STEPS, GLOBAL_BATCH, MICRO_BATCH, MAX_LEN = 10, 16, 2, 32
 
 
-def save_tiny_llama(folder: Path, tied: bool, seed: int = 0) -> Path:
+def save_tiny_llama(folder: Path, tied: bool, seed: int = 0, max_shard_size: str = "5GB") -> Path:
     """A tiny HF Llama with random weights, written the way users' checkpoints are."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tied))
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
     AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
     return folder
 
@@ -59,6 +67,7 @@ def parity_config(model_dir: Path | None, dp: int, tp: int) -> Config:
         train=TrainConfig(
             max_steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, precision="fp32"
         ),
+        checkpoint=CheckpointConfig(resume="none", save_final=False),
     )
 
 

@@ -67,3 +67,4 @@ def test_readme_command_trains_the_embedded_default(tmp_path):
     config = (tmp_path / "config.yaml").read_text()
     assert "tp: 2" in config and "${" not in config  # resolved
     assert (tmp_path / ".hydra").is_dir()
+    assert (tmp_path / "sft.log").read_text().count("step 60/60") == 1  # rank 0 alone writes the log

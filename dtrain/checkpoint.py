@@ -1,0 +1,198 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): the whole training state, saved by every rank
+in parallel under mesh-independent names, so a run resumes exactly on the same mesh or any other.
+
+A checkpoint folder is `step-XXXXXXXX/`. It is written as `.step-XXXXXXXX.partial/`, marked
+complete (`complete.json`) and renamed only after every rank finished writing: a crash mid-save
+leaves at most a partial folder, never a "latest" that cannot load, and the older ones untouched.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from dtrain.config import CheckpointConfig, ConfigError
+
+log = logging.getLogger("dtrain")
+
+COMPLETE = "complete.json"
+PREFIX = "step-"
+# Fault injection for the tests, set to a step number: CRASH kills the process after that
+# checkpoint's files are written and before it is marked complete (a node failure mid-save);
+# FAIL makes the write raise "No space left on device" (a full disk).
+CRASH_IN_SAVE_ENV = "DTRAIN_TEST_CRASH_IN_SAVE"
+FAIL_SAVE_ENV = "DTRAIN_TEST_FAIL_SAVE"
+
+
+class CheckpointError(RuntimeError):
+    """A save that did not complete; the previous checkpoints are untouched."""
+
+
+@dataclass
+class Progress:
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0  # supervised tokens trained on
+
+
+def checkpoint_dir(settings: CheckpointConfig, run_dir: Path) -> Path:
+    return Path(settings.dir) if settings.dir else run_dir / "checkpoints"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file()
+
+
+def find_resume_path(settings: CheckpointConfig, directory: Path) -> Path | None:
+    """The checkpoint to resume from; only reads the filesystem, so it runs before the process group."""
+    if settings.resume == "none":
+        return None
+    if settings.resume != "auto":
+        path = Path(settings.resume)
+        if not path.is_dir():
+            raise ConfigError(f"checkpoint.resume={settings.resume!r}: no such checkpoint folder")
+        if not is_complete(path):
+            raise ConfigError(
+                f"checkpoint.resume={settings.resume!r}: incomplete checkpoint (no {COMPLETE}); "
+                "its save did not finish"
+            )
+        return path
+    if not directory.is_dir():
+        return None
+    for partial in sorted(directory.glob(f".{PREFIX}*.partial")):
+        log.warning(f"skipping incomplete checkpoint {partial} (its save did not finish)")
+    for path in sorted(directory.glob(f"{PREFIX}*")):
+        if path.is_dir() and not is_complete(path):
+            log.warning(f"skipping incomplete checkpoint {path} (no {COMPLETE})")
+    return newest_complete(directory)
+
+
+def newest_complete(directory: Path) -> Path | None:
+    complete = sorted(p for p in directory.glob(f"{PREFIX}*") if is_complete(p))
+    return complete[-1] if complete else None
+
+
+def training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data: Any, progress: Progress
+) -> dict[str, Any]:
+    """What a checkpoint holds. Model and optimizer states are DTensors keyed by parameter name."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "scheduler": scheduler.state_dict(),
+        "data": data.state_dict(),
+        "progress": {"step": progress.step, "tokens_seen": progress.tokens_seen},
+        "rng": {"cpu": torch.get_rng_state()},
+    }
+
+
+def check_compatible(path: Path, model_state: dict[str, Any]) -> None:
+    """A checkpoint of another architecture fails with the first mismatched tensor, not deep in DCP."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, tensor in model_state.items():
+        key = f"model.{name}"
+        if key not in saved:
+            raise ConfigError(f"checkpoint {path} has no tensor {name!r}: it is from another model")
+        saved_shape = tuple(getattr(saved[key], "size", ()))
+        if saved_shape != tuple(tensor.shape):
+            raise ConfigError(
+                f"checkpoint {path}: tensor {name!r} has shape {saved_shape} there and "
+                f"{tuple(tensor.shape)} in this model: it is from another architecture"
+            )
+
+
+def load(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data: Any
+) -> Progress:
+    """Restore everything in place, resharding to this run's mesh."""
+    state = training_state(model, optimizer, scheduler, data, Progress())
+    check_compatible(path, state["model"])
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    data.load_state_dict(state["data"])
+    torch.set_rng_state(state["rng"]["cpu"])
+    progress = Progress(**state["progress"])
+    log.info(f"resumed from {path} at step {progress.step}")
+    return progress
+
+
+class Checkpointer:
+    """Saves every `every` steps and at the end, keeps the newest `keep`."""
+
+    def __init__(self, settings: CheckpointConfig, directory: Path, resolved_config: dict[str, Any]) -> None:
+        self.settings = settings
+        self.directory = directory
+        self.resolved_config = resolved_config
+        self.is_rank0 = dist.get_rank() == 0
+
+    def due(self, step: int, max_steps: int) -> bool:
+        every = self.settings.every
+        return (every > 0 and step % every == 0) or (step == max_steps and self.settings.save_final)
+
+    def save(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        data: Any,
+        progress: Progress,
+    ) -> Path:
+        final = self.directory / f"{PREFIX}{progress.step:08d}"
+        partial = self.directory / f".{PREFIX}{progress.step:08d}.partial"
+        if self.is_rank0:
+            if partial.exists():  # left by an earlier crash at this step
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+        dist.barrier()
+        start = time.perf_counter()
+        try:
+            dcp.save(training_state(model, optimizer, scheduler, data, progress), checkpoint_id=str(partial))
+            if os.environ.get(FAIL_SAVE_ENV) == str(progress.step):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", str(partial))
+        except Exception as error:  # DCP raises the first failing rank's error on every rank
+            if self.is_rank0:
+                shutil.rmtree(partial, ignore_errors=True)
+            previous = newest_complete(self.directory)
+            raise CheckpointError(
+                f"saving the step-{progress.step} checkpoint to {partial} failed: {error}. "
+                f"The newest complete checkpoint is still {previous or 'none'}"
+            ) from error
+        if os.environ.get(CRASH_IN_SAVE_ENV) == str(progress.step):
+            os.kill(os.getpid(), 9)
+        dist.barrier()  # every rank's files are on disk
+        if self.is_rank0:
+            marker = {"step": progress.step, "tokens": progress.tokens_seen, "config": self.resolved_config}
+            _write_synced(partial / COMPLETE, json.dumps(marker, indent=1))
+            if final.exists():  # the same step saved again after a resume: replace it
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            self._prune()
+            log.info(f"saved checkpoint {final} in {time.perf_counter() - start:.1f} s")
+        dist.barrier()
+        return final
+
+    def _prune(self) -> None:
+        complete = sorted(p for p in self.directory.glob(f"{PREFIX}*") if is_complete(p))
+        for old in complete[: max(0, len(complete) - self.settings.keep)]:
+            shutil.rmtree(old)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w", encoding="utf-8") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())

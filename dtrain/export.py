@@ -1,0 +1,120 @@
+"""Write a Hugging Face model folder from the sharded model or from a dtrain checkpoint.
+
+Every rank writes its own shards with DCP's Hugging Face writer, then rank 0 consolidates them
+into standard safetensors: nobody gathers the whole model in memory.
+
+    python -m dtrain.export CHECKPOINT OUT [--dtype bf16|fp32]
+    torchrun --nproc_per_node=N -m dtrain.export CHECKPOINT OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, GenerationConfig, PreTrainedTokenizerBase
+
+from dtrain.checkpoint import COMPLETE
+from dtrain.config import Config, ConfigError, MeshShape
+from dtrain.distributed import build_parallel, init_distributed, shutdown
+from dtrain.model import ATTENTION, build_meta_model, hf_state_dict, load_model_config, resolve_model_path
+
+log = logging.getLogger("dtrain")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def export_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, dtype: str) -> None:
+    """Collective: every rank calls it. The folder appears complete or not at all."""
+    partial = out.with_name(out.name + ".partial")
+    if dist.get_rank() == 0 and partial.exists():
+        shutil.rmtree(partial)
+    dist.barrier()
+    state = {name: tensor.detach().to(DTYPES[dtype]) for name, tensor in hf_state_dict(model).items()}
+    writer = HuggingFaceStorageWriter(str(partial), save_distributed=True, enable_consolidation=True)
+    dcp.save(state, storage_writer=writer)
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial / "sharded", ignore_errors=True)
+        config = model.config.__class__.from_dict(model.config.to_dict())
+        config.use_cache = True  # dtrain turns the KV cache off for training only
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+        config.dtype = DTYPES[dtype]
+        config.save_pretrained(partial)
+        _drop_attention_override(partial / "config.json")
+        _generation_config(model).save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        if out.exists():
+            shutil.rmtree(out)
+        partial.rename(out)
+        log.info(f"exported a Hugging Face model to {out} ({dtype})")
+    dist.barrier()
+
+
+def _drop_attention_override(config_json: Path) -> None:
+    """dtrain's sharded attention is registered only inside dtrain: exported models use the default."""
+    config = json.loads(config_json.read_text())
+    if config.get("_attn_implementation") == ATTENTION or config.get("attn_implementation") == ATTENTION:
+        config.pop("_attn_implementation", None)
+        config.pop("attn_implementation", None)
+        config_json.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _generation_config(model: nn.Module) -> GenerationConfig:
+    try:
+        return GenerationConfig.from_model_config(model.config)
+    except Exception:  # a config without generation fields still exports
+        return GenerationConfig()
+
+
+def export_checkpoint(checkpoint: Path, out: Path, dtype: str) -> None:
+    """Rebuild the model of a checkpoint as plain FSDP over this world and export it."""
+    from dtrain.data import load_tokenizer
+    from dtrain.model import reset_rotary_buffers
+    from dtrain.parallel.parallelize import parallelize
+
+    if not (checkpoint / COMPLETE).is_file():
+        raise ConfigError(f"{checkpoint}: not a complete dtrain checkpoint (no {COMPLETE})")
+    resolved = json.loads((checkpoint / COMPLETE).read_text())["config"]
+    config: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), resolved))
+    model_config = load_model_config(config.model)
+    device = init_distributed(config.parallel.timeout_s)
+    world = dist.get_world_size()
+    parallel = build_parallel(MeshShape(1, world, 1), device)
+    config.parallel.tp, config.parallel.dp_shard = 1, world
+    model = build_meta_model(model_config)
+    parallelize(model, parallel, config.parallel, "fp32")
+    model.to_empty(device=device)  # every weight comes from the checkpoint
+    reset_rotary_buffers(model, device)
+    state = {f"model.{name}": tensor for name, tensor in hf_state_dict(model).items()}
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    tokenizer = load_tokenizer(config.model.tokenizer or resolve_model_path(config.model.name_or_path))
+    export_hf(model, tokenizer, out, dtype)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m dtrain.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (…/checkpoints/step-XXXXXXXX)")
+    parser.add_argument("out", type=Path, help="the Hugging Face folder to write")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="[dtrain] %(message)s")
+    try:
+        export_checkpoint(args.checkpoint, args.out, args.dtype)
+    except ConfigError as error:
+        print(f"dtrain: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Checkpoints: exact resume, resharding to other meshes and world sizes, a save killed mid-write,
+Hugging Face export round trip, and bad checkpoints (gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import MAX_LEN, ROOT, run, save_tiny_llama, torchrun
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dtrain.checkpoint import COMPLETE, find_resume_path
+from dtrain.config import CheckpointConfig, ConfigError
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    untied = save_tiny_llama(root / "untied", tied=False, seed=1)
+    tied = save_tiny_llama(root / "tied", tied=True, seed=2)
+    save_tiny_llama(root / "sharded", tied=False, seed=3, max_shard_size="100KB")
+    worker = str(ROOT / "tests" / "workers" / "checkpoint_runs.py")
+    for nproc in (4, 1):
+        result = torchrun(nproc, worker, "--out", str(root), "--untied", str(untied), "--tied", str(tied))
+        assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
+    saved = {path.stem: torch.load(path) for path in root.glob("*.pt")}
+    return root, saved
+
+
+def losses(history, steps):
+    return [h["loss"] for h in history if h["step"] in steps]
+
+
+def test_checkpoint_folder_is_complete(runs):
+    root, _ = runs
+    step4 = root / "checkpoints" / "step-00000004"
+    assert (step4 / COMPLETE).is_file() and (step4 / ".metadata").is_file()
+    marker = json.loads((step4 / COMPLETE).read_text())
+    assert marker["step"] == 4 and marker["tokens"] > 0
+    assert find_resume_path(CheckpointConfig(resume="auto"), root / "checkpoints").name == "step-00000008"
+
+
+@pytest.mark.parametrize(
+    "name,rtol", [("resume_2x2", 1e-6), ("resume_1x4", 1e-5), ("resume_4x1", 1e-5), ("resume_1x1", 1e-5)]
+)
+def test_resume_continues_the_uninterrupted_curve(runs, name, rtol):
+    _, saved = runs
+    full = saved["full"]["history"]
+    resumed = saved[name]["history"]
+    assert [h["step"] for h in resumed] == [5, 6, 7, 8]
+    assert losses(resumed, range(5, 9)) == pytest.approx(losses(full, range(5, 9)), rel=rtol)
+    for a, b in zip(resumed, full[4:], strict=True):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=rtol)
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)  # the schedule resumed too
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_export_loads_in_transformers_with_the_same_logits(runs, kind):
+    root, saved = runs
+    folder = root / f"hf_{kind}"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.dtype == torch.float32
+    assert model.config.tie_word_embeddings == (kind == "tied")
+    if kind == "tied":
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) * 11 % 1000
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    expected = saved["full" if kind == "untied" else "tied"]["logits"]
+    assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    assert len(AutoTokenizer.from_pretrained(folder)) == 1024
+    assert (folder / "generation_config.json").is_file()
+    assert not (folder / "sharded").exists()
+
+
+def test_other_architecture_is_refused_naming_the_tensor(runs):
+    _, saved = runs
+    error = saved["other_arch"]["error"]
+    assert error is not None
+    assert "model.layers.0.mlp.gate_proj.weight" in error and "(128, 64)" in error and "(96, 64)" in error
+
+
+def test_explicit_missing_or_incomplete_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such checkpoint folder"):
+        find_resume_path(CheckpointConfig(resume=str(tmp_path / "nope")), tmp_path)
+    (tmp_path / "step-00000003").mkdir()
+    with pytest.raises(ConfigError, match="incomplete checkpoint"):
+        find_resume_path(CheckpointConfig(resume=str(tmp_path / "step-00000003")), tmp_path)
+    assert find_resume_path(CheckpointConfig(resume="auto"), tmp_path) is None
+
+
+def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_to_resume(tmp_path):
+    """The process is SIGKILLed after writing step 4's files, before marking them complete."""
+    args = [
+        "-m",
+        "dtrain.sft",
+        "parallel.tp=1",
+        "train.max_steps=6",
+        "train.log_every=1",
+        "checkpoint.every=2",
+    ]
+    reference = torchrun(2, *args, f"hydra.run.dir={tmp_path / 'reference'}", timeout=300)
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    crashed_dir = tmp_path / "crashed"
+    crashed = torchrun(2, *args, f"hydra.run.dir={crashed_dir}", env={"DTRAIN_TEST_CRASH_IN_SAVE": "4"})
+    assert crashed.returncode != 0
+    checkpoints = crashed_dir / "checkpoints"
+    assert (checkpoints / "step-00000002" / COMPLETE).is_file()
+    assert (checkpoints / ".step-00000004.partial").is_dir()
+    assert not (checkpoints / "step-00000004").exists()
+    resumed = torchrun(2, *args, f"hydra.run.dir={crashed_dir}", timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "skipping incomplete checkpoint" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step-00000002 at step 2" in resumed.stdout
+    expected = [
+        json.loads(line) for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()
+    ]
+    records = [json.loads(line) for line in (crashed_dir / "metrics.jsonl").read_text().splitlines()]
+    after = {r["step"]: r["loss"] for r in records[-4:]}
+    assert sorted(after) == [3, 4, 5, 6]
+    for record in expected[2:]:
+        assert after[record["step"]] == pytest.approx(record["loss"], rel=1e-6)
+
+
+def test_export_cli_writes_a_loadable_folder(runs, tmp_path):
+    root, saved = runs
+    out = tmp_path / "exported"
+    result = run(
+        [sys.executable, "-m", "dtrain.export", str(root / "checkpoints" / "step-00000008"), str(out)]
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16  # the default export dtype
+    ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) * 11 % 1000
+    with torch.no_grad():
+        logits = model.float()(input_ids=ids).logits
+    expected = saved["full"]["logits"]
+    assert ((logits - expected).abs().max() / expected.abs().max()).item() < 0.05  # bf16 rounding only
+    missing = run([sys.executable, "-m", "dtrain.export", str(Path(tmp_path) / "none"), str(out)])
+    assert missing.returncode == 2 and "not a complete dtrain checkpoint" in missing.stdout
+
+
+def test_a_failed_write_keeps_the_previous_checkpoint_and_says_what_failed(tmp_path):
+    args = ["-m", "dtrain.sft", "parallel.tp=1", "train.max_steps=4", "checkpoint.every=2"]
+    result = torchrun(2, *args, f"hydra.run.dir={tmp_path}", env={"DTRAIN_TEST_FAIL_SAVE": "4"}, timeout=300)
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "saving the step-4 checkpoint" in result.stdout and "No space left on device" in result.stdout
+    assert "The newest complete checkpoint is still" in result.stdout and "step-00000002" in result.stdout
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002"]
+    assert find_resume_path(CheckpointConfig(resume="auto"), checkpoints).name == "step-00000002"
+
+
+def test_a_sharded_hf_folder_imports_slice_by_slice(runs):
+    """save_pretrained with a small max_shard_size: several safetensors files and an index."""
+    root, saved = runs
+    folder = root / "sharded"
+    assert len(list(folder.glob("*.safetensors"))) > 1 and (folder / "model.safetensors.index.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) * 11 % 1000
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    assert ((saved["sharded_import"]["logits"] - expected).abs().max() / expected.abs().max()).item() < 1e-5
