@@ -8,12 +8,14 @@ leaves at most a partial folder, never a "latest" that cannot load, and the olde
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,14 +132,30 @@ def load(
     return progress
 
 
+@dataclass
+class _Save:
+    """A save whose files are being written (in the background with async_save)."""
+
+    progress: Progress
+    partial: Path
+    final: Path
+    started: float
+    future: Any = None  # dcp.async_save's Future, or None once written
+
+
 class Checkpointer:
-    """Saves every `every` steps and at the end, keeps the newest `keep`."""
+    """Saves every `every` steps and at the end, keeps the newest `keep`. With async_save the
+    state is staged to CPU memory and written while the next steps run; at most one save is in
+    flight, and it is finished (marked complete and renamed) by the next save or by `wait()`."""
 
     def __init__(self, settings: CheckpointConfig, directory: Path, resolved_config: dict[str, Any]) -> None:
         self.settings = settings
         self.directory = directory
         self.resolved_config = resolved_config
         self.is_rank0 = dist.get_rank() == 0
+        self.in_flight: _Save | None = None
+        # The background writer's collectives must not share a group with training's.
+        self.async_group = dist.new_group(backend="gloo") if settings.async_save else None
 
     def due(self, step: int, max_steps: int) -> bool:
         every = self.settings.every
@@ -150,40 +168,64 @@ class Checkpointer:
         scheduler: Any,
         data: Any,
         progress: Progress,
-    ) -> Path:
-        final = self.directory / f"{PREFIX}{progress.step:08d}"
-        partial = self.directory / f".{PREFIX}{progress.step:08d}.partial"
+    ) -> None:
+        self.wait()
+        name = f"{PREFIX}{progress.step:08d}"
+        partial = self.directory / f".{name}.partial"
+        save = _Save(progress, partial, self.directory / name, time.perf_counter())
         if self.is_rank0:
-            if partial.exists():  # left by an earlier crash at this step
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True)
+            if save.partial.exists():  # left by an earlier crash at this step
+                shutil.rmtree(save.partial)
+            save.partial.mkdir(parents=True)
         dist.barrier()
-        start = time.perf_counter()
-        try:
-            dcp.save(training_state(model, optimizer, scheduler, data, progress), checkpoint_id=str(partial))
-            if os.environ.get(FAIL_SAVE_ENV) == str(progress.step):
-                raise OSError(errno.ENOSPC, "No space left on device (injected)", str(partial))
-        except Exception as error:  # DCP raises the first failing rank's error on every rank
-            if self.is_rank0:
-                shutil.rmtree(partial, ignore_errors=True)
-            previous = newest_complete(self.directory)
-            raise CheckpointError(
-                f"saving the step-{progress.step} checkpoint to {partial} failed: {error}. "
-                f"The newest complete checkpoint is still {previous or 'none'}"
-            ) from error
-        if os.environ.get(CRASH_IN_SAVE_ENV) == str(progress.step):
+        state = training_state(model, optimizer, scheduler, data, progress)
+        with self._failures(save):
+            if self.async_group is None:
+                dcp.save(state, checkpoint_id=str(save.partial))
+            else:
+                save.future = dcp.async_save(
+                    state, checkpoint_id=str(save.partial), process_group=self.async_group
+                )
+        self.in_flight = save
+        if save.future is None:
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any: every rank's files on disk, then mark and rename."""
+        save, self.in_flight = self.in_flight, None
+        if save is None:
+            return
+        with self._failures(save):
+            if save.future is not None:
+                save.future.result()
+            if os.environ.get(FAIL_SAVE_ENV) == str(save.progress.step):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", str(save.partial))
+        if os.environ.get(CRASH_IN_SAVE_ENV) == str(save.progress.step):
             os.kill(os.getpid(), 9)
-        dist.barrier()  # every rank's files are on disk
-        if self.is_rank0:
-            marker = {"step": progress.step, "tokens": progress.tokens_seen, "config": self.resolved_config}
-            _write_synced(partial / COMPLETE, json.dumps(marker, indent=1))
-            if final.exists():  # the same step saved again after a resume: replace it
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            self._prune()
-            log.info(f"saved checkpoint {final} in {time.perf_counter() - start:.1f} s")
         dist.barrier()
-        return final
+        if self.is_rank0:
+            progress = save.progress
+            marker = {"step": progress.step, "tokens": progress.tokens_seen, "config": self.resolved_config}
+            _write_synced(save.partial / COMPLETE, json.dumps(marker, indent=1))
+            if save.final.exists():  # the same step saved again after a resume: replace it
+                shutil.rmtree(save.final)
+            os.replace(save.partial, save.final)
+            self._prune()
+            log.info(f"saved checkpoint {save.final} in {time.perf_counter() - save.started:.1f} s")
+        dist.barrier()
+
+    @contextlib.contextmanager
+    def _failures(self, save: _Save) -> Iterator[None]:
+        """DCP raises the first failing rank's error on every rank: clean up and say what failed."""
+        try:
+            yield
+        except Exception as error:
+            if self.is_rank0:
+                shutil.rmtree(save.partial, ignore_errors=True)
+            raise CheckpointError(
+                f"saving the step-{save.progress.step} checkpoint to {save.partial} failed: {error}. "
+                f"The newest complete checkpoint is still {newest_complete(self.directory) or 'none'}"
+            ) from error
 
     def _prune(self) -> None:
         complete = sorted(p for p in self.directory.glob(f"{PREFIX}*") if is_complete(p))

@@ -88,6 +88,7 @@ class CheckpointConfig:
     resume: str = "auto"  # auto: the newest complete checkpoint in dir, if any; none; or a path
     keep: int = 2
     save_final: bool = True  # also save after the last step
+    async_save: bool = False  # write with dcp.async_save while the next steps run
     export_hf: bool = False  # write a Hugging Face folder to <run dir>/hf at the end
     export_dtype: str = "bf16"
 

@@ -134,6 +134,7 @@ def train(
             sink.write(record)
         interval_start, interval_tokens, last_logged = time.perf_counter(), 0, done
 
+    checkpointer.wait()
     if config.checkpoint.export_hf:
         export_hf(model, tokenizer, run_dir / "hf", config.checkpoint.export_dtype)
     for sink in sinks:

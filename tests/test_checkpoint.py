@@ -93,7 +93,8 @@ def test_explicit_missing_or_incomplete_checkpoint_is_an_error(tmp_path):
 
 
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_to_resume(tmp_path):
-    """The process is SIGKILLed after writing step 4's files, before marking them complete."""
+    """The process is SIGKILLed after writing step 4's files, before marking them complete.
+    The uninterrupted reference saves asynchronously, and one of its checkpoints is resumed too."""
     args = [
         "-m",
         "dtrain.sft",
@@ -102,8 +103,11 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_to_resume(tmp_pa
         "train.log_every=1",
         "checkpoint.every=2",
     ]
-    reference = torchrun(2, *args, f"hydra.run.dir={tmp_path / 'reference'}", timeout=300)
+    reference_dir = tmp_path / "reference"
+    reference = torchrun(2, *args, "checkpoint.async_save=true", f"hydra.run.dir={reference_dir}")
     assert reference.returncode == 0, reference.stdout[-3000:]
+    kept = sorted(p.name for p in (reference_dir / "checkpoints").iterdir())
+    assert kept == ["step-00000004", "step-00000006"]  # checkpoint.keep=2
     crashed_dir = tmp_path / "crashed"
     crashed = torchrun(2, *args, f"hydra.run.dir={crashed_dir}", env={"DTRAIN_TEST_CRASH_IN_SAVE": "4"})
     assert crashed.returncode != 0
@@ -115,14 +119,20 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_to_resume(tmp_pa
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert "skipping incomplete checkpoint" in resumed.stdout
     assert "resumed from" in resumed.stdout and "step-00000002 at step 2" in resumed.stdout
-    expected = [
-        json.loads(line) for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()
-    ]
+    expected = [json.loads(line) for line in (reference_dir / "metrics.jsonl").read_text().splitlines()]
     records = [json.loads(line) for line in (crashed_dir / "metrics.jsonl").read_text().splitlines()]
     after = {r["step"]: r["loss"] for r in records[-4:]}
     assert sorted(after) == [3, 4, 5, 6]
     for record in expected[2:]:
         assert after[record["step"]] == pytest.approx(record["loss"], rel=1e-6)
+
+    from_async = tmp_path / "from_async"
+    step4 = reference_dir / "checkpoints" / "step-00000004"
+    resumed = torchrun(2, *args, f"checkpoint.resume={step4}", f"hydra.run.dir={from_async}", timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    records = [json.loads(line) for line in (from_async / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 6]
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in expected[4:]], rel=1e-6)
 
 
 def test_export_cli_writes_a_loadable_folder(runs, tmp_path):
