@@ -3,6 +3,7 @@ torchrun launcher that never hangs the suite."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -69,6 +70,43 @@ def parity_config(model_dir: Path | None, dp: int, tp: int) -> Config:
         ),
         checkpoint=CheckpointConfig(resume="none", save_final=False),
     )
+
+
+def fixed_batch() -> torch.Tensor:
+    """Token ids for comparing logits with a Hugging Face reference."""
+    return torch.arange(3 * MAX_LEN).reshape(3, MAX_LEN) * 7 % 1000
+
+
+def sharded_model(config: Config, device: torch.device) -> torch.nn.Module:
+    """The model exactly as the trainer builds it (on this process group), before any step."""
+    from dtrain.config import check_config
+    from dtrain.distributed import build_parallel
+    from dtrain.model import build_meta_model, load_model_config, materialize
+    from dtrain.parallel.parallelize import parallelize
+
+    model_config = load_model_config(config.model)
+    shape = check_config(config, torch.distributed.get_world_size(), model_config)
+    model = build_meta_model(model_config)
+    parallelize(model, build_parallel(shape, device), config.parallel, config.train.precision)
+    materialize(model, device, config.model, seed=config.train.seed)
+    return model
+
+
+def full_logits(model: torch.nn.Module) -> torch.Tensor:
+    """Logits of fixed_batch() from a sharded model, gathered."""
+    ids = fixed_batch()
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=torch.arange(MAX_LEN).expand(len(ids), -1)).logits
+    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+
+
+def worker_args() -> argparse.Namespace:
+    """The command line of the torchrun workers under tests/workers/."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--untied", type=Path, required=True)
+    parser.add_argument("--tied", type=Path, required=True)
+    return parser.parse_args()
 
 
 def torchrun(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MAX_LEN, ROOT, run, save_tiny_llama, torchrun
+from helpers import ROOT, fixed_batch, run, save_tiny_llama, torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dtrain.checkpoint import COMPLETE, find_resume_path
@@ -66,7 +66,7 @@ def test_export_loads_in_transformers_with_the_same_logits(runs, kind):
     assert model.config.tie_word_embeddings == (kind == "tied")
     if kind == "tied":
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) * 11 % 1000
+    ids = fixed_batch()
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     expected = saved["full" if kind == "untied" else "tied"]["logits"]
@@ -144,7 +144,7 @@ def test_export_cli_writes_a_loadable_folder(runs, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16  # the default export dtype
-    ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) * 11 % 1000
+    ids = fixed_batch()
     with torch.no_grad():
         logits = model.float()(input_ids=ids).logits
     expected = saved["full"]["logits"]
@@ -170,7 +170,7 @@ def test_a_sharded_hf_folder_imports_slice_by_slice(runs):
     folder = root / "sharded"
     assert len(list(folder.glob("*.safetensors"))) > 1 and (folder / "model.safetensors.index.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
-    ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) * 11 % 1000
+    ids = fixed_batch()
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     assert ((saved["sharded_import"]["logits"] - expected).abs().max() / expected.abs().max()).item() < 1e-5

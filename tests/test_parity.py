@@ -10,7 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import GLOBAL_BATCH, MAX_LEN, ROOT, STEPS, TOKENIZER, parity_config, save_tiny_llama, torchrun
+from helpers import (
+    GLOBAL_BATCH,
+    MAX_LEN,
+    ROOT,
+    STEPS,
+    TOKENIZER,
+    fixed_batch,
+    parity_config,
+    save_tiny_llama,
+    torchrun,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from dtrain.data import IGNORE, StepBatches, load_examples
@@ -111,7 +121,7 @@ def test_loaded_checkpoint_gives_from_pretrained_logits(models, mesh_runs, kind,
     model = AutoModelForCausalLM.from_pretrained(
         models[kind], dtype=torch.float32, attn_implementation="sdpa"
     )
-    ids = torch.arange(3 * MAX_LEN).reshape(3, MAX_LEN) * 7 % 1000
+    ids = fixed_batch()
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     assert relative_error(mesh_runs[name]["logits"], expected) < RTOL

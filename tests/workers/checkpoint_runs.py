@@ -4,25 +4,22 @@ checkpoint into another architecture. Rank 0 saves `<out>/<name>.pt`."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import MAX_LEN, parity_config  # noqa: E402
+from helpers import full_logits, parity_config, sharded_model, worker_args  # noqa: E402
 
 from dtrain.config import ConfigError, check_config  # noqa: E402
 from dtrain.data import load_tokenizer  # noqa: E402
-from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
+from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.export import export_hf  # noqa: E402
-from dtrain.model import build_meta_model, load_model_config, materialize  # noqa: E402
-from dtrain.parallel.parallelize import parallelize  # noqa: E402
+from dtrain.model import load_model_config  # noqa: E402
 from dtrain.trainer import train  # noqa: E402
 
 STEPS = 8
@@ -40,44 +37,24 @@ def run(name, out, model_dir, dp, tp, device, resume_from=None, every=0, steps=S
     return train(config, shape, model_config, device, out / name, resolved, resume_from)
 
 
-def loaded(model_dir: Path, device: torch.device) -> torch.nn.Module:
-    """A 2×2-sharded model straight from a Hugging Face folder, before any step."""
-    config = parity_config(model_dir, 2, 2)
-    model_config = load_model_config(config.model)
-    model = build_meta_model(model_config)
-    shape = check_config(config, dist.get_world_size(), model_config)
-    parallelize(model, build_parallel(shape, device), config.parallel, "fp32")
-    materialize(model, device, config.model, seed=0)
-    return model
-
-
-def logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) * 11 % 1000
-    with torch.no_grad():
-        out = model(input_ids=ids, position_ids=torch.arange(MAX_LEN).expand(2, -1)).logits
-    return out.full_tensor() if isinstance(out, DTensor) else out
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--untied", type=Path, required=True)
-    parser.add_argument("--tied", type=Path, required=True)
-    args = parser.parse_args()
+    args = worker_args()
     out = args.out
     device = init_distributed(timeout_s=300)
     step4 = out / "checkpoints" / "step-00000004"
     results = {}
     if dist.get_world_size() == 4:
         full = run("full", out, args.untied, 2, 2, device, every=4)
-        results["full"] = {"history": full.history, "logits": logits(full.model)}
+        results["full"] = {"history": full.history, "logits": full_logits(full.model)}
         export_hf(full.model, load_tokenizer(str(args.untied)), out / "hf_untied", "fp32")
         for name, (dp, tp) in {"resume_2x2": (2, 2), "resume_1x4": (1, 4), "resume_4x1": (4, 1)}.items():
             results[name] = {"history": run(name, out / name, args.untied, dp, tp, device, step4).history}
         tied = run("tied", out / "tied", args.tied, 2, 2, device, steps=3)
-        results["tied"] = {"logits": logits(tied.model)}
+        results["tied"] = {"logits": full_logits(tied.model)}
         export_hf(tied.model, load_tokenizer(str(args.tied)), out / "hf_tied", "fp32")
-        results["sharded_import"] = {"logits": logits(loaded(out / "sharded", device))}
+        results["sharded_import"] = {
+            "logits": full_logits(sharded_model(parity_config(out / "sharded", 2, 2), device))
+        }
         try:
             run("other_arch", out / "other", None, 2, 2, device, step4, intermediate_size=96)
             results["other_arch"] = {"error": None}

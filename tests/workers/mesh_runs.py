@@ -7,7 +7,6 @@ compares the files with a single-process Hugging Face reference.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -18,12 +17,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import MAX_LEN, parity_config  # noqa: E402
+from helpers import MAX_LEN, full_logits, parity_config, sharded_model, worker_args  # noqa: E402
 
 from dtrain.config import check_config  # noqa: E402
-from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
-from dtrain.model import build_meta_model, canonical_name, load_model_config, materialize  # noqa: E402
-from dtrain.parallel.parallelize import parallelize  # noqa: E402
+from dtrain.distributed import init_distributed  # noqa: E402
+from dtrain.model import canonical_name, load_model_config  # noqa: E402
 from dtrain.trainer import train  # noqa: E402
 
 # name: (dp, tp, model, overrides); model is "untied", "tied" or "random" (seeded init)
@@ -88,27 +86,8 @@ def one_backward(model: torch.nn.Module) -> None:
         summed_cross_entropy(model(input_ids=ids, position_ids=positions).logits, ids).backward()
 
 
-def fresh_model(config, model_config, shape, device) -> torch.nn.Module:
-    """The sharded model as loaded or initialised, before any step."""
-    model = build_meta_model(model_config)
-    parallelize(model, build_parallel(shape, device), config.parallel, "fp32")
-    materialize(model, device, config.model, seed=config.train.seed)
-    return model
-
-
-def logits_on_fixed_batch(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.arange(3 * MAX_LEN).reshape(3, MAX_LEN) * 7 % 1000
-    with torch.no_grad():
-        logits = model(input_ids=ids, position_ids=torch.arange(MAX_LEN).expand(3, -1)).logits
-    return logits.full_tensor() if isinstance(logits, DTensor) else logits
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--untied", type=Path, required=True)
-    parser.add_argument("--tied", type=Path, required=True)
-    args = parser.parse_args()
+    args = worker_args()
     device = init_distributed(timeout_s=300)
     world = dist.get_world_size()
     for name, (dp, tp, kind, overrides) in SCENARIOS[world].items():
@@ -124,11 +103,11 @@ def main() -> None:
         check_sharding(result.model, result.optimizer, dp, tp)
         params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
         saved = {"history": result.history, "params": params}
-        fresh = fresh_model(config, model_config, shape, device)
+        fresh = sharded_model(config, device)
         if kind == "random":
             saved["init"] = {n: p.full_tensor() for n, p in fresh.named_parameters()}
         else:
-            saved["logits"] = logits_on_fixed_batch(fresh)
+            saved["logits"] = full_logits(fresh)
         if dist.get_rank() == 0:
             torch.save(saved, args.out / f"{name}.pt")
     dist.barrier()
