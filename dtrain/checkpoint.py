@@ -86,6 +86,42 @@ def newest_complete(directory: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+# What makes two configs the same run: resuming may change the mesh, the step count or logging.
+RUN_IDENTITY = ("model", "data", "optim", "train.seed", "train.global_batch_size")
+
+
+def _identity(config: dict[str, Any]) -> dict[str, Any]:
+    picked = {}
+    for key in RUN_IDENTITY:
+        value: Any = config
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        picked[key] = value
+    return picked
+
+
+def other_run_in(run_dir: Path, directory: Path, resolved: dict[str, Any]) -> str | None:
+    """Describe the first sign that run_dir or the checkpoint folder belongs to a different run
+    (whose metrics would be appended to, or whose checkpoints resume=auto would load), or None."""
+    mine = _identity(resolved)
+    previous = []
+    if (run_dir / "config.yaml").is_file() and (run_dir / "metrics.jsonl").is_file():
+        from omegaconf import OmegaConf
+
+        previous.append(
+            (run_dir / "config.yaml", OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
+        )
+    newest = newest_complete(directory) if directory.is_dir() else None
+    if newest is not None:
+        previous.append((newest, json.loads((newest / COMPLETE).read_text())["config"]))
+    for source, config in previous:
+        theirs = _identity(config)
+        for key in RUN_IDENTITY:
+            if theirs[key] != mine[key]:
+                return f"{source} is from a run with a different {key}"
+    return None
+
+
 def training_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data: Any, progress: Progress
 ) -> dict[str, Any]:

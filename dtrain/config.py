@@ -79,6 +79,8 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 1
     precision: str = "bf16"
+    nonfinite: str = "skip"  # a step with non-finite gradients: skip it, or abort the run
+    max_skips: int = 5  # abort when more than this many steps in a row were skipped
 
 
 @dataclass
@@ -89,6 +91,7 @@ class CheckpointConfig:
     keep: int = 2
     save_final: bool = True  # also save after the last step
     async_save: bool = False  # write with dcp.async_save while the next steps run
+    overwrite: bool = False  # reuse a run folder / checkpoint dir that holds a different run
     export_hf: bool = False  # write a Hugging Face folder to <run dir>/hf at the end
     export_dtype: str = "bf16"
 
@@ -181,6 +184,7 @@ def check_config(config: Config, world_size: int, model_config: Any) -> MeshShap
     train, data, parallel = config.train, config.data, config.parallel
 
     _one_of("train.precision", train.precision, PRECISIONS)
+    _one_of("train.nonfinite", train.nonfinite, ("skip", "abort"))
     _one_of("parallel.activation_checkpointing", parallel.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _one_of("optim.schedule", config.optim.schedule, SCHEDULES)
     _one_of("logging.wandb.mode", config.logging.wandb.mode, WANDB_MODES)
@@ -195,6 +199,8 @@ def check_config(config: Config, world_size: int, model_config: Any) -> MeshShap
         ("parallel.timeout_s", parallel.timeout_s),
     ):
         _positive(key, value)
+    if train.max_skips < 0:
+        raise ConfigError(f"train.max_skips={train.max_skips}: must be >= 0")
     if config.optim.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps}: must be >= 0")
 

@@ -57,8 +57,24 @@ def init_distributed(timeout_s: int) -> torch.device:
         return device
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    device_id = device if backend == "nccl" else None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's store outlives a worker restart (--max-restarts): keys of the dead attempt,
+        # such as its gloo addresses, would be read by the new one. Give each attempt its own.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"dtrain/attempt_{attempt}", store),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+            device_id=device_id,
+        )
+    elif "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     else:  # plain `python -m dtrain.sft`: one process, no rendezvous needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return device

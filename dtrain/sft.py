@@ -7,7 +7,9 @@ exists, so a bad value fails on every rank at once with one message and exit cod
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -18,10 +20,11 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from dtrain.checkpoint import CheckpointError, checkpoint_dir, find_resume_path
+from dtrain.checkpoint import CheckpointError, checkpoint_dir, find_resume_path, other_run_in
 from dtrain.config import Config, ConfigError, check_config, to_config, world_size_from_env
 from dtrain.distributed import init_distributed, rank_from_env, shutdown
 from dtrain.model import load_model_config
+from dtrain.reliability import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted, RankFailure
 
 ASSETS = Path(__file__).parent / "assets"
 EXIT_CONFIG_ERROR = 2
@@ -52,11 +55,11 @@ OmegaConf.register_new_resolver(
 )
 
 
-def fail(message: str) -> None:
+def fail(message: str, code: int = EXIT_CONFIG_ERROR) -> None:
     """One message per node (not one per rank), then the same exit code on every rank."""
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_CONFIG_ERROR)
+        print(f"dtrain: {'error: ' if code != EXIT_PREEMPTED else ''}{message}", file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
@@ -67,25 +70,39 @@ def hydra_main(cfg: DictConfig) -> None:
         model_config = load_model_config(config.model)
         shape = check_config(config, world_size_from_env(), model_config)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
-        resume_from = find_resume_path(config.checkpoint, checkpoint_dir(config.checkpoint, run_dir))
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        checkpoints = checkpoint_dir(config.checkpoint, run_dir)
+        conflict = other_run_in(run_dir, checkpoints, resolved)
+        if conflict and not config.checkpoint.overwrite:
+            raise ConfigError(
+                f"{conflict}: refusing to mix the two runs (checkpoint.overwrite=true to replace it)"
+            )
+        resume_from = None if conflict else find_resume_path(config.checkpoint, checkpoints)
     except ConfigError as error:
         fail(str(error))
 
     from dtrain.trainer import train  # after validation: a bad config should not wait on imports
 
     device = init_distributed(config.parallel.timeout_s)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
     if is_rank0:
+        if conflict:  # overwrite=true: the other run's metrics and checkpoints go
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            shutil.rmtree(checkpoints, ignore_errors=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     try:
         train(config, shape, model_config, device, run_dir, resolved, resume_from)
-    except (ConfigError, CheckpointError) as error:  # raised alike on every rank
+    except (ConfigError, CheckpointError, RankFailure) as error:  # raised alike on every rank
         fail(str(error))
+    except Preempted as preempted:
+        fail(str(preempted), EXIT_PREEMPTED)
+    except NonFiniteError as error:
+        fail(str(error), EXIT_NONFINITE)
 
 
 def main() -> None:
-    if rank_from_env() != 0:
+    if rank_from_env() != 0:  # quiet unless something is wrong; rank 0 speaks for all
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+        logging.getLogger("dtrain").setLevel(logging.ERROR)
     try:
         hydra_main()
     finally:

@@ -21,6 +21,7 @@ from dtrain.metrics import count_parameters, flops_per_token, log, open_sinks, p
 from dtrain.model import build_meta_model, materialize, resolve_model_path
 from dtrain.optim import build_optimizer, build_scheduler, clip_grad_norm
 from dtrain.parallel.parallelize import parallelize
+from dtrain.reliability import Preempted, StepGuard
 
 
 @dataclass
@@ -81,10 +82,14 @@ def train(
     dp_group = parallel.dp_mesh.get_group()
     interval_start, interval_tokens, last_logged = time.perf_counter(), 0, progress.step
     tokens_seen = torch.tensor(float(progress.tokens_seen), device=device)
+    guard = StepGuard(config.train, device)
     for step in range(progress.step, config.train.max_steps):
-        micro_batches = [
-            {k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in batches.micro_batches(step)
-        ]
+        host_batches, preempted = guard.start_step(step, batches.micro_batches)
+        if preempted:  # some rank got SIGTERM/SIGUSR1 during the last step: save it and stop
+            checkpointer.save(model, optimizer, scheduler, batches, Progress(step, int(tokens_seen.item())))
+            checkpointer.wait()
+            raise Preempted(step)
+        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in host_batches]
         # The loss is a token mean over the whole global batch: count its targets on every dp rank.
         tokens = sum((mb["labels"] != IGNORE).sum() for mb in micro_batches).float()
         dist.all_reduce(tokens, group=dp_group)
@@ -94,15 +99,17 @@ def train(
                 logits = model(
                     input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False
                 ).logits
-                loss = summed_cross_entropy(logits, mb["labels"])
+                loss = guard.poison(step + 1, summed_cross_entropy(logits, mb["labels"]))
                 (loss / tokens).backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(params, config.optim.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
+        skipped = guard.should_skip(step + 1, grad_norm, model)
+        if not skipped:  # never an optimizer step on non-finite gradients
+            optimizer.step()
+            scheduler.step()
+            tokens_seen += tokens
         optimizer.zero_grad(set_to_none=True)
-        tokens_seen += tokens
 
         interval_tokens += config.train.global_batch_size * config.data.max_len
         done = step + 1
@@ -128,6 +135,7 @@ def train(
             "step_time_s": elapsed / steps_in_interval,
             "mem_peak_gib": memory.item(),
             "mfu": flops * interval_tokens / elapsed / (peak * dist.get_world_size()) if peak else None,
+            "skipped_steps": guard.skipped,
         }
         history.append(record)
         for sink in sinks:
@@ -135,6 +143,7 @@ def train(
         interval_start, interval_tokens, last_logged = time.perf_counter(), 0, done
 
     checkpointer.wait()
+    guard.close()
     if config.checkpoint.export_hf:
         export_hf(model, tokenizer, run_dir / "hf", config.checkpoint.export_dtype)
     for sink in sinks:

@@ -1,0 +1,145 @@
+"""Faults during training: preemption signals, non-finite steps, and failures that one rank hits
+before a collective. Every decision is agreed on by all ranks, so they stop together instead of
+leaving the others waiting on a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dtrain.config import TrainConfig
+
+log = logging.getLogger("dtrain")
+T = TypeVar("T")
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the job saved its state and wants to be requeued
+EXIT_NONFINITE = 3
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 before its timeout
+# Fault injection for the tests (step numbers, 1-based): a NaN loss, or this rank SIGKILLed
+# (only before any restart, so a restarted job can finish).
+NAN_AT_STEP_ENV = "DTRAIN_TEST_NAN_AT_STEP"
+KILL_AT_STEP_ENV = "DTRAIN_TEST_KILL_AT_STEP"
+FAIL_FETCH_AT_STEP_ENV = "DTRAIN_TEST_FAIL_FETCH_AT_STEP"  # a bad batch on one rank
+FAULT_RANK_ENV = "DTRAIN_TEST_FAULT_RANK"  # the rank these two apply to (default 1)
+STEP_SLEEP_ENV = "DTRAIN_TEST_STEP_SLEEP_S"  # slow steps down, so a test's signal lands mid-run
+
+
+class Preempted(Exception):
+    """A preemption signal arrived; the state of `step` is saved."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"preempted: checkpoint saved after step {step}; resume with checkpoint.resume=auto")
+        self.step = step
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class RankFailure(RuntimeError):
+    """One rank failed before a collective; every rank raises it with that rank's message."""
+
+
+class StepGuard:
+    """Per-step agreement between ranks, one small all-reduce at the start of each step."""
+
+    def __init__(self, settings: TrainConfig, device: torch.device) -> None:
+        self.settings = settings
+        self.device = device
+        self.consecutive_skips = 0
+        self.skipped = 0
+        self._signalled: int | None = None
+        for signum in PREEMPTION_SIGNALS:
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._signalled is None:
+            log.warning(f"received {signal.Signals(signum).name}: finishing the step, then saving")
+        self._signalled = signum
+
+    def close(self) -> None:
+        for signum in PREEMPTION_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
+
+    def start_step(self, step: int, fetch: Callable[[int], T]) -> tuple[T | None, bool]:
+        """Run `fetch(step)` (the step's data) on every rank; returns (its result, preempted). If it
+        raised on any rank, every rank raises RankFailure with the lowest failing rank's message."""
+        _maybe_kill(step + 1)
+        time.sleep(float(os.environ.get(STEP_SLEEP_ENV, "0")))
+        result, error = None, None
+        try:
+            if _injected(FAIL_FETCH_AT_STEP_ENV, step + 1):
+                raise ValueError("injected bad batch")
+            result = fetch(step)
+        except Exception as caught:  # anything: the point is that no rank is left waiting
+            error = f"rank {dist.get_rank()}: {type(caught).__name__}: {caught}"
+        status = torch.tensor([error is not None, self._signalled is not None], device=self.device)
+        dist.all_reduce(status)
+        failed, preempted = (bool(x) for x in status.tolist())
+        if failed:
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, error)
+            raise RankFailure(f"step {step + 1}: {next(m for m in messages if m)}")
+        return result, preempted
+
+    def poison(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """The tests' poisoned batch."""
+        return loss * math.nan if os.environ.get(NAN_AT_STEP_ENV) == str(step) else loss
+
+    def should_skip(self, step: int, grad_norm: torch.Tensor, model: nn.Module) -> bool:
+        """True when this step's gradients are not finite and the step must not be applied.
+        grad_norm is the global norm, identical on every rank, so all ranks decide alike."""
+        if math.isfinite(grad_norm.item()):
+            self.consecutive_skips = 0
+            return False
+        culprit = first_nonfinite_gradient(model)
+        if self.settings.nonfinite == "abort":
+            raise NonFiniteError(
+                f"step {step}: non-finite gradient norm ({grad_norm.item()}); first non-finite gradient "
+                f"on rank {dist.get_rank()}: {culprit}. Nothing was saved for this step"
+            )
+        self.skipped += 1
+        self.consecutive_skips += 1
+        if self.consecutive_skips > self.settings.max_skips:
+            raise NonFiniteError(
+                f"step {step}: {self.consecutive_skips} non-finite steps in a row "
+                f"(train.max_skips={self.settings.max_skips}); last culprit: {culprit}"
+            )
+        log.warning(f"step {step}: non-finite gradients ({culprit}): step skipped ({self.skipped} so far)")
+        return True
+
+
+def first_nonfinite_gradient(model: nn.Module) -> str:
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if not torch.isfinite(local).all():
+            return name
+    return "none on this rank (the loss itself)"
+
+
+def _injected(variable: str, step: int) -> bool:
+    return (
+        os.environ.get(variable) == str(step)
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        and str(dist.get_rank()) == os.environ.get(FAULT_RANK_ENV, "1")
+    )
+
+
+def _maybe_kill(step: int) -> None:
+    if _injected(KILL_AT_STEP_ENV, step):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,164 @@
+"""Faults through the real CLI on 2 gloo processes: a rank SIGKILLed under torchrun --max-restarts,
+SIGTERM, a poisoned (NaN) step skipped or aborting, a bad batch on one rank, and a run folder that
+belongs to another run. Each compares with an uninterrupted run where a curve is involved."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, torchrun
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from dtrain.checkpoint import COMPLETE
+
+STEPS = 6
+ARGS = [
+    "-m",
+    "dtrain.sft",
+    "parallel.tp=1",
+    f"train.max_steps={STEPS}",
+    "train.log_every=1",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "checkpoint.every=2",
+]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp("reference")
+    result = torchrun(2, *ARGS, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stdout[-3000:]
+    return metrics(run_dir)
+
+
+def assert_same_curve(records: list[dict], reference: list[dict], first_step: int) -> None:
+    tail = {r["step"]: r["loss"] for r in records if r["step"] >= first_step}
+    assert sorted(tail) == list(range(first_step, STEPS + 1))
+    for r in reference[first_step - 1 :]:
+        assert tail[r["step"]] == pytest.approx(r["loss"], rel=1e-6), r["step"]
+
+
+def test_a_killed_rank_restarts_and_resumes_the_same_curve(tmp_path, reference):
+    result = torchrun(
+        2,
+        "--max-restarts=1",
+        *ARGS,
+        f"hydra.run.dir={tmp_path}",
+        env={"DTRAIN_TEST_KILL_AT_STEP": "4", "DTRAIN_TEST_FAULT_RANK": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "resumed from" in result.stdout and "step-00000002 at step 2" in result.stdout
+    assert_same_curve(metrics(tmp_path), reference, first_step=3)
+
+
+def test_sigterm_saves_a_checkpoint_exits_and_resumes_exactly(tmp_path, reference):
+    """SIGTERM to torchrun, which forwards it to the workers, as SLURM or Kubernetes would."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *ARGS]
+    command += ["checkpoint.every=0", f"hydra.run.dir={tmp_path}"]
+    env = {**os.environ, "DTRAIN_TEST_STEP_SLEEP_S": "1"}  # slow steps, so the signal lands mid-run
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        deadline = time.time() + 120
+        log = tmp_path / "metrics.jsonl"
+        while time.time() < deadline and not (log.exists() and log.read_text().strip()):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "received SIGTERM" in output and "preempted: checkpoint saved after step" in output, output[-3000:]
+    (saved,) = [p for p in (tmp_path / "checkpoints").iterdir() if (p / COMPLETE).is_file()]
+    step = json.loads((saved / COMPLETE).read_text())["step"]
+    assert 1 <= step < STEPS
+    resumed = torchrun(2, *ARGS, f"hydra.run.dir={tmp_path}")  # resume=auto in the same folder
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"at step {step}" in resumed.stdout
+    assert_same_curve(metrics(tmp_path), reference, first_step=step + 1)
+
+
+def test_a_nan_step_is_skipped_and_changes_no_weight(tmp_path):
+    result = torchrun(
+        2,
+        *ARGS,
+        "checkpoint.every=1",
+        "checkpoint.keep=10",
+        f"hydra.run.dir={tmp_path}",
+        env={"DTRAIN_TEST_NAN_AT_STEP": "3"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    records = metrics(tmp_path)
+    assert records[2]["step"] == 3 and records[2]["skipped_steps"] == 1
+    assert records[-1]["skipped_steps"] == 1 and all(r["loss"] == r["loss"] for r in records[3:])
+    states = {}
+    for step in (2, 3):
+        dcp_to_torch_save(tmp_path / "checkpoints" / f"step-{step:08d}", tmp_path / f"{step}.pt")
+        states[step] = torch.load(tmp_path / f"{step}.pt", weights_only=False)
+    model_keys = [k for k in states[2]["model"]]
+    assert model_keys
+    for key in model_keys:
+        assert torch.equal(states[2]["model"][key], states[3]["model"][key]), key
+    assert states[2]["scheduler"]["last_epoch"] == states[3]["scheduler"]["last_epoch"]
+    optimizer_state = states[2]["optimizer"]["state"]
+    for name, values in optimizer_state.items():
+        assert torch.equal(values["exp_avg"], states[3]["optimizer"]["state"][name]["exp_avg"]), name
+
+
+def test_a_nan_step_aborts_when_asked_naming_step_and_tensor(tmp_path):
+    result = torchrun(
+        2,
+        *ARGS,
+        "checkpoint.every=1",
+        "train.nonfinite=abort",
+        f"hydra.run.dir={tmp_path}",
+        env={"DTRAIN_TEST_NAN_AT_STEP": "3"},
+    )
+    assert result.returncode != 0
+    assert "step 3: non-finite gradient norm" in result.stdout
+    assert "first non-finite gradient on rank 0: model." in result.stdout
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == ["step-00000001", "step-00000002"]
+
+
+def test_a_bad_batch_on_one_rank_stops_every_rank_with_its_message(tmp_path):
+    start = time.time()
+    result = torchrun(
+        2, *ARGS, f"hydra.run.dir={tmp_path}", env={"DTRAIN_TEST_FAIL_FETCH_AT_STEP": "2"}, timeout=120
+    )
+    assert result.returncode != 0
+    # Printed by local rank 0, which did not fail itself: the ranks agreed on rank 1's error.
+    assert "dtrain: error: step 2: rank 1: ValueError: injected bad batch" in result.stdout
+    assert time.time() - start < 100  # no rank waited for the collective timeout
+
+
+def test_a_folder_of_another_run_is_refused_unless_overwrite(tmp_path):
+    first = torchrun(2, *ARGS, "train.max_steps=2", f"hydra.run.dir={tmp_path}")
+    assert first.returncode == 0, first.stdout[-3000:]
+    other = torchrun(2, *ARGS, "train.max_steps=2", "optim.lr=1e-4", f"hydra.run.dir={tmp_path}")
+    assert other.returncode != 0
+    assert (
+        "is from a run with a different optim" in other.stdout and "checkpoint.overwrite=true" in other.stdout
+    )
+    assert len(metrics(tmp_path)) == 2  # untouched
+    again = torchrun(
+        2,
+        *ARGS,
+        "train.max_steps=2",
+        "optim.lr=1e-4",
+        "checkpoint.overwrite=true",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2] and "resumed from" not in again.stdout
