@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dtrain.config import Config, MeshShape
-from dtrain.data import IGNORE, StepBatches, load_examples, load_tokenizer
+from dtrain.data import IGNORE, build_data, load_tokenizer
 from dtrain.distributed import Parallel, build_parallel
 from dtrain.loss import loss_context, summed_cross_entropy
 from dtrain.metrics import count_parameters, flops_per_token, log, open_sinks, peak_flops, peak_memory_gib
@@ -50,36 +50,30 @@ def train(
     scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
 
     tokenizer = load_tokenizer(config.model.tokenizer or resolve_model_path(config.model.name_or_path))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batches = StepBatches(
-        load_examples(config.data, tokenizer),
-        global_batch_size=config.train.global_batch_size,
-        micro_batch_size=config.train.micro_batch_size,
-        dp_rank=parallel.dp_rank,
-        dp_size=parallel.dp_size,
-        max_len=config.data.max_len,
-        pad_id=pad_id,
-        seed=config.train.seed,
-        shuffle=config.data.shuffle,
-    )
+    data = build_data(config.data, config.train, tokenizer, parallel.dp_rank, parallel.dp_size)
+    batches = data.train  # state_dict() / load_state_dict(): where the global stream stands
 
     num_params = count_parameters(model)
     flops = flops_per_token(model_config, num_params, config.data.max_len)
     peak = peak_flops(device)
     sinks = open_sinks(config, resolved, run_dir) if is_rank0 else []
     if is_rank0:
-        log_summary(model, parallel, config, num_params, len(batches.examples))
+        log_summary(model, parallel, config, num_params, data.num_examples)
 
     history: list[dict[str, Any]] = []
     dp_group = parallel.dp_mesh.get_group()
     interval_start, interval_tokens = time.perf_counter(), 0
     for step in range(config.train.max_steps):
         micro_batches = [
-            {k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in batches.micro_batches(step)
+            {k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in batches.next_step()
         ]
-        # The loss is a token mean over the whole global batch: count its targets on every dp rank.
-        tokens = sum((mb["labels"] != IGNORE).sum() for mb in micro_batches).float()
-        dist.all_reduce(tokens, group=dp_group)
+        # The loss is a token mean over the whole global batch: count its targets on every dp rank
+        # (and its non-pad slots, for the padding fraction).
+        counts = sum(
+            torch.stack([(mb["labels"] != IGNORE).sum(), mb["num_tokens"].sum()]) for mb in micro_batches
+        ).float()
+        dist.all_reduce(counts, group=dp_group)
+        tokens, filled = counts[0], counts[1]
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
             with loss_context(config.parallel.loss_parallel):
@@ -97,6 +91,14 @@ def train(
 
         interval_tokens += config.train.global_batch_size * config.data.max_len
         done = step + 1
+        if config.train.eval_every and done % config.train.eval_every == 0:
+            record = {
+                "step": done,
+                **evaluate(model, data.eval, device, config.parallel.loss_parallel, dp_group),
+            }
+            history.append(record)
+            for sink in sinks:
+                sink.write(record)
         if done % config.train.log_every and done != config.train.max_steps:
             continue
         dist.all_reduce(loss_sum, group=dp_group)
@@ -111,6 +113,7 @@ def train(
             "grad_norm": grad_norm.item(),
             "lr": lr,
             "tokens": supervised,
+            "padding_fraction": 1.0 - filled.item() / (config.train.global_batch_size * config.data.max_len),
             "tokens_per_s": supervised * steps_in_interval / elapsed,
             "input_tokens_per_s": interval_tokens / elapsed,
             "step_time_s": elapsed / steps_in_interval,
@@ -125,6 +128,24 @@ def train(
     for sink in sinks:
         sink.close()
     return RunResult(history, model, optimizer)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, micro_batches: list, device: torch.device, loss_parallel: bool, dp_group: Any
+) -> dict[str, Any]:
+    """eval_loss: the token mean over the whole eval set (every dp rank's share)."""
+    model.eval()
+    totals = torch.zeros(2, device=device)
+    for mb in micro_batches:
+        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+        with loss_context(loss_parallel):
+            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
+            totals[0] += summed_cross_entropy(logits, mb["labels"])
+        totals[1] += (mb["labels"] != IGNORE).sum()
+    dist.all_reduce(totals, group=dp_group)
+    model.train()
+    return {"eval_loss": (totals[0] / totals[1]).item(), "eval_tokens": int(totals[1].item())}
 
 
 def log_summary(model: torch.nn.Module, parallel: Parallel, config: Config, num_params: int, n: int) -> None:
