@@ -62,7 +62,7 @@ def train(
 
     history: list[dict[str, Any]] = []
     dp_group = parallel.dp_mesh.get_group()
-    interval_start, interval_tokens = time.perf_counter(), 0
+    interval_start, interval_tokens, logged_step = time.perf_counter(), 0, 0
     for step in range(config.train.max_steps):
         micro_batches = [
             {k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in batches.next_step()
@@ -105,7 +105,7 @@ def train(
         memory = torch.tensor(peak_memory_gib(device), device=device)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
         elapsed = time.perf_counter() - interval_start
-        steps_in_interval = done - (history[-1]["step"] if history else 0)
+        steps_in_interval = done - logged_step
         supervised = int(tokens.item())
         record = {
             "step": done,
@@ -123,7 +123,7 @@ def train(
         history.append(record)
         for sink in sinks:
             sink.write(record)
-        interval_start, interval_tokens = time.perf_counter(), 0
+        interval_start, interval_tokens, logged_step = time.perf_counter(), 0, done
 
     for sink in sinks:
         sink.close()
