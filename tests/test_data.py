@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from collections import Counter
 
@@ -12,13 +13,14 @@ import datasets
 import pyarrow as pa
 import pytest
 import torch
-from helpers import DATASET, TOKENIZER, run
+from helpers import DATASET, TOKENIZER, parity_config, run, torchrun
 from transformers import AutoTokenizer
 
-from dtrain.config import ConfigError, DataConfig, MixSource
+from dtrain.config import ConfigError, DataConfig, MixSource, check_config
 from dtrain.data import SFTLoader, prepare, to_rows
 from dtrain.data.formats import EMPTY, NO_TARGET, OK, OVERLONG, TRUNCATED, tokenize_example
 from dtrain.data.sources import load_split, sources
+from dtrain.model import load_model_config
 
 TEMPLATE = (TOKENIZER / "chat_template.jinja").read_text()
 NO_MARKERS = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
@@ -105,6 +107,27 @@ def test_text_is_supervised_everywhere_and_lengths_are_handled():
     assert tokenize(tokenizer, long, max_len=32, overlong="drop")["status"] == OVERLONG
     cut = tokenize(tokenizer, {"prompt": "q", "response": "y " * 40}, max_len=32)
     assert cut["status"] == TRUNCATED and cut["length"] == 32
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"data.overlong": "cut"}, "data.overlong='cut': must be one of truncate, drop"),
+        ({"data.format": "chat"}, "data.format='chat': must be one of"),
+        ({"train.eval_every": 5}, "train.eval_every=5 needs an eval set"),
+        ({"data.eval_fraction": 1.0}, "data.eval_fraction=1.0: must be in [0, 1)"),
+        ({"data.mix": [MixSource(path="/no/such.jsonl")]}, "data.mix[0].path='/no/such.jsonl': no such file"),
+        ({"data.mix": [MixSource(path=str(DATASET), weight=0)]}, "data.mix[0].weight=0: must be > 0"),
+    ],
+)
+def test_bad_data_config_is_refused_before_launch(changes, message):
+    config = parity_config(None, dp=1, tp=1)
+    for key, value in changes.items():
+        group, name = key.split(".")
+        setattr(getattr(config, group), name, value)
+    with pytest.raises(ConfigError) as error:
+        check_config(config, 1, load_model_config(config.model))
+    assert message in str(error.value)
 
 
 def write_jsonl(path, records) -> str:
@@ -240,25 +263,31 @@ SFT = [sys.executable, "-m", "dtrain.sft", "parallel.tp=1", "train.max_steps=2"]
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def cli(tmp_path, records, overrides) -> tuple[int, str]:
+def cli(tmp_path, records, overrides, nproc: int = 1) -> tuple[int, str]:
     path = DATASET if records is None else tmp_path / "d.jsonl"
     if records is not None:
         path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in records))
     if not any(o.startswith("data.path=") for o in overrides):
         overrides = [f"data.path={path}", *overrides]
     env = {**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")}
-    result = run([*SFT, *overrides, f"hydra.run.dir={tmp_path}/run"], timeout=180, env=env)
+    args = [*overrides, f"hydra.run.dir={tmp_path}/run"]
+    if nproc == 1:
+        result = run([*SFT, *args], timeout=180, env=env)
+    else:
+        result = torchrun(nproc, *SFT[1:], *args, timeout=180, env=env)
     return result.returncode, result.stdout
 
 
-@pytest.mark.parametrize("case", BAD_INPUT)
-def test_bad_input_fails_through_the_cli_with_its_message(tmp_path, case):
+@pytest.mark.parametrize("case,nproc", [(case, 1) for case in BAD_INPUT] + [("malformed JSON", 2)])
+def test_bad_input_fails_through_the_cli_with_its_message(tmp_path, case, nproc):
+    """With 2 processes the error found while rank 0 prepares the data reaches the other rank too:
+    both exit with it instead of one waiting in a barrier."""
     records, overrides, words = BAD_INPUT[case]
-    returncode, output = cli(tmp_path, records, overrides)
-    assert returncode == 2, output[-3000:]
+    returncode, output = cli(tmp_path, records, overrides, nproc)
+    assert returncode != 0 if nproc > 1 else returncode == 2, output[-3000:]
     for word in words:
         assert word in output, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
+    assert not re.search(r'File "[^"]*/dtrain/[^"]*", line', output), output[-3000:]
 
 
 def test_empty_and_truncated_responses_are_dropped_counted_and_packed_training_evaluates(tmp_path):

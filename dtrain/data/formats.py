@@ -80,14 +80,12 @@ def render(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], where: str
 ) -> tuple[list, list]:
     """Token ids of the conversation and, per token, whether it belongs to an assistant turn."""
+    marked = has_generation_markers(tokenizer)
     full = tokenizer.apply_chat_template(
-        messages,
-        tokenize=True,
-        return_dict=True,
-        return_assistant_tokens_mask=has_generation_markers(tokenizer),
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=marked
     )
     ids = list(full["input_ids"])
-    if has_generation_markers(tokenizer):
+    if marked:
         return ids, [int(m) for m in full["assistant_masks"]]
     mask = [0] * len(ids)
     for turn, message in enumerate(messages):
