@@ -17,7 +17,7 @@ from helpers import DATASET, TOKENIZER, parity_config, run, torchrun
 from transformers import AutoTokenizer
 
 from dtrain.config import ConfigError, DataConfig, MixSource, check_config
-from dtrain.data import SFTLoader, prepare, to_rows
+from dtrain.data import SFTLoader, eval_micro_batches, prepare, to_rows
 from dtrain.data.formats import EMPTY, NO_TARGET, OK, OVERLONG, TRUNCATED, tokenize_example
 from dtrain.data.sources import load_split, sources
 from dtrain.model import load_model_config
@@ -233,6 +233,16 @@ def test_dp_ranks_cover_each_epoch_and_resume_on_another_dp_size(rows_by_packing
             loader.load_state_dict(json.loads(json.dumps(states[0])))  # plain JSON: any checkpoint format
         after = global_batches(resumed, steps - stop)
         assert [row for batch in done + after for row in batch] == stream, f"dp={dp}"
+
+
+def test_eval_rows_are_split_over_dp_ranks_once_each_with_equal_counts(rows_by_packing):
+    rows = rows_by_packing[False]
+    per_rank = [eval_micro_batches(rows, 4, rank, 3) for rank in range(3)]
+    assert len({len(batches) for batches in per_rank}) == 1  # same number of forwards everywhere
+    seen = [tuple(r) for batches in per_rank for mb in batches for r in mb["input_ids"].tolist()]
+    assert sorted(seen[: len(rows)]) == sorted(tuple(rows[i]["input_ids"].tolist()) for i in range(len(rows)))
+    padding = [mb["labels"][i] for batches in per_rank for mb in batches for i in range(len(mb["labels"]))]
+    assert all((labels == -100).all() for labels in padding[len(rows) :])
 
 
 def test_loader_state_from_other_data_is_refused(rows_by_packing):

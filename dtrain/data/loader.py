@@ -16,7 +16,7 @@ from typing import Any
 
 import datasets
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, Sampler, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from dtrain.config import ConfigError
@@ -170,7 +170,4 @@ def eval_micro_batches(rows: Rows, micro_batch_size: int, dp_rank: int, dp_size:
         rows[i] if i < len(rows) else rows.build([])
         for i in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     ]
-    return [
-        {key: torch.stack([row[key] for row in mine[i : i + micro_batch_size]]) for key in mine[0]}
-        for i in range(0, per_rank, micro_batch_size)
-    ]
+    return [default_collate(mine[i : i + micro_batch_size]) for i in range(0, per_rank, micro_batch_size)]

@@ -49,8 +49,7 @@ def build_data(
 ) -> SFTData:
     train_examples, eval_examples = once_per_machine(lambda: prepare(data, tokenizer, train.seed))
     rows = to_rows(train_examples, data, tokenizer)
-    lengths = train_examples["length"]
-    fill = efficiency(lengths, rows.rows, data.max_len)
+    fill = efficiency(column(train_examples, "length"), rows.rows, data.max_len)
     log.info(
         f"data: {len(train_examples)} training examples in {len(rows)} rows of {data.max_len} "
         f"({'packed' if data.packing else 'one per row'}), efficiency {fill:.1%} (non-pad tokens / slots)"
@@ -74,8 +73,13 @@ def build_data(
 
 
 def to_rows(examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Rows:
-    layout = pack(examples["length"], data.max_len) if data.packing else one_per_row(len(examples))
+    layout = pack(column(examples, "length"), data.max_len) if data.packing else one_per_row(len(examples))
     return Rows(examples, layout, data.max_len, pad_id(tokenizer))
+
+
+def column(dataset: datasets.Dataset, name: str) -> list:
+    """A whole column as a list at once (datasets' Column costs ~100 µs per item indexed)."""
+    return dataset[name][:]
 
 
 def prepare(
@@ -122,7 +126,7 @@ def tokenized(
         new_fingerprint=fingerprint,
         desc=f"tokenizing {source.path}",
     )
-    statuses = result["status"]
+    statuses = column(result, "status")
     counts = Counter(statuses)
     dropped = {status: n for status, n in counts.items() if status not in KEPT}
     log.info(

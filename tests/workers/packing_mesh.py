@@ -4,13 +4,15 @@ Checks, each asserting on every rank (a failure exits non-zero):
 - a packed batch gives the loss and gradients of the same documents run one by one (token mean);
 - perturbing one document of a packed row leaves the logits of the row's other documents unchanged
   (and, without the restarting positions, it would not);
-- the loader gives tp ranks of one dp group the same rows and dp groups different ones.
+- the loader gives tp ranks of one dp group the same rows and dp groups different ones;
+- data preparation runs on local rank 0 before the others, and an error there reaches every rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers import parity_config  # noqa: E402
 
-from dtrain.config import TrainConfig, check_config  # noqa: E402
+from dtrain.config import ConfigError, TrainConfig, check_config  # noqa: E402
 from dtrain.data import IGNORE, build_data, load_tokenizer, prepare, to_rows  # noqa: E402
+from dtrain.data.pipeline import once_per_machine  # noqa: E402
 from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
 from dtrain.loss import loss_context, summed_cross_entropy  # noqa: E402
 from dtrain.model import build_meta_model, load_model_config, materialize  # noqa: E402
@@ -114,6 +117,35 @@ def check_tp_ranks_share_rows(config, tokenizer, parallel) -> None:
             assert torch.equal(theirs, mine) == (rank in same_dp), (rank, same_dp)
 
 
+def check_once_per_machine(log_file: Path) -> None:
+    rank = dist.get_rank()
+
+    def prepare_fn() -> int:
+        with log_file.open("a") as log:  # short appends: one line each, whole
+            log.write(f"start {rank}\n")
+            log.flush()
+            time.sleep(0.2)
+            log.write(f"end {rank}\n")
+        return rank
+
+    assert once_per_machine(prepare_fn) == rank
+    dist.barrier()
+    lines = log_file.read_text().split()
+    events = [" ".join(lines[i : i + 2]) for i in range(0, len(lines), 2)]
+    assert events[:2] == ["start 0", "end 0"], events  # the others read what rank 0 cached
+
+    def fails_on_rank0() -> None:
+        if rank == 0:
+            raise ConfigError("data.path='x': broken")
+
+    try:
+        once_per_machine(fails_on_rank0)
+    except ConfigError as error:
+        assert str(error) == "data.path='x': broken"
+    else:
+        raise AssertionError(f"rank {rank} did not get rank 0's error")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--done", type=Path, required=True)
@@ -138,6 +170,7 @@ def main() -> None:
     check_packing_exactness(model, rows, parallel.dp_rank)
     check_no_cross_document_attention(model, rows)
     check_tp_ranks_share_rows(config, tokenizer, parallel)
+    check_once_per_machine(args.done.with_name("prepare.log"))
     dist.barrier()
     if dist.get_rank() == 0:
         args.done.write_text("ok")
