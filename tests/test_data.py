@@ -182,6 +182,18 @@ def test_mix_weights_eval_split_and_eval_fraction(tmp_path):
     assert (len(examples), len(held_out)) == (20, 4)
 
 
+def test_tokenizing_in_two_processes_gives_the_same_examples_and_errors(tmp_path):
+    tokenizer = tokenizer_with(TEMPLATE)
+    path = write_jsonl(tmp_path / "d.jsonl", RECORDS)
+    one, _ = prepare(DataConfig(path=path), tokenizer, seed=0)
+    two, _ = prepare(DataConfig(path=path, num_proc=2), tokenizer, seed=0)
+    assert one["input_ids"][:] == two["input_ids"][:] and one["mask"][:] == two["mask"][:]
+    robot = [{"messages": CONVERSATION}] * 5 + [{"messages": [{"role": "robot", "content": "hi"}]}]
+    path = write_jsonl(tmp_path / "m.jsonl", robot)
+    with pytest.raises(ConfigError, match="example 5, message 0: unknown role 'robot'"):
+        prepare(DataConfig(path=path, format="messages", num_proc=2), tokenizer, seed=0)
+
+
 @pytest.fixture(scope="module")
 def rows_by_packing(tmp_path_factory):
     """Rows of 30 distinct examples, one per row and packed (so every row is recognisable)."""

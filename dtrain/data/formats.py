@@ -147,7 +147,13 @@ def tokenize_example(
     else:
         messages = conversation(record, source, index)
         if messages is not None:
-            ids, mask = render(tokenizer, messages, f"{source.key}={source.path!r} example {index}")
+            where = f"{source.key}={source.path!r} example {index}"
+            try:
+                ids, mask = render(tokenizer, messages, where)
+            except ConfigError:
+                raise
+            except Exception as error:  # the template's own raise_exception(), jinja errors
+                raise ConfigError(f"{where}: the chat template failed: {error}") from error
     status = OK if ids else EMPTY
     if len(ids) > max_len:
         status = TRUNCATED if overlong == "truncate" else OVERLONG

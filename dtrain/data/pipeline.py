@@ -8,6 +8,7 @@ import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import datasets
@@ -34,6 +35,7 @@ FEATURES = datasets.Features(
     }
 )
 T = TypeVar("T")
+PREPARE_TIMEOUT_S = 24 * 3600  # how long ranks wait for local rank 0 to tokenize
 
 
 @dataclass
@@ -200,29 +202,33 @@ def once_per_machine(prepare_fn: Callable[[], T]) -> T:
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     if not first:
         datasets.disable_progress_bars()
+    # Tokenizing a large dataset can outlast parallel.timeout_s: wait on a group of our own. A rank
+    # that dies does not leave the others waiting that long: torchrun stops them.
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PREPARE_TIMEOUT_S))
     result: Any = None
-    for turn in (True, False):
-        error: BaseException | None = None
-        if first == turn:
-            try:
-                result = prepare_fn()
-            except Exception as caught:  # shared below, then raised on every rank
-                error = caught
-        _raise_if_any(error)
+    try:
+        for turn in (True, False):
+            error: BaseException | None = None
+            if first == turn:
+                try:
+                    result = prepare_fn()
+                except Exception as caught:  # shared below, then raised on every rank
+                    error = caught
+            _raise_if_any(error, group)
+    finally:
+        dist.destroy_process_group(group)
     return result
 
 
-def _raise_if_any(error: BaseException | None) -> None:
+def _raise_if_any(error: BaseException | None, group: dist.ProcessGroup) -> None:
     messages: list[Any] = [None] * dist.get_world_size()
     mine = None if error is None else (isinstance(error, ConfigError), str(error))
-    dist.all_gather_object(messages, mine)
+    dist.all_gather_object(messages, mine, group=group)
     if error is not None:
         raise error
     for rank, message in enumerate(messages):
         if message is not None:
             is_config, text = message
-            raise (
-                ConfigError(text)
-                if is_config
-                else RuntimeError(f"data preparation failed on rank {rank}: {text}")
-            )
+            if is_config:
+                raise ConfigError(text)
+            raise RuntimeError(f"data preparation failed on rank {rank}: {text}")
