@@ -78,7 +78,7 @@ def conversation(record: dict[str, Any], source: Source, index: int) -> list[dic
 
 def render(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], where: str
-) -> tuple[list, list]:
+) -> tuple[list[int], list[int]]:
     """Token ids of the conversation and, per token, whether it belongs to an assistant turn."""
     marked = has_generation_markers(tokenizer)
     full = tokenizer.apply_chat_template(
@@ -97,7 +97,15 @@ def render(
     return ids, mask
 
 
-def _prefix_length(tokenizer, messages, ids, generation_prompt: bool, where: str, turn: int) -> int:
+def _prefix_length(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    ids: list[int],
+    generation_prompt: bool,
+    where: str,
+    turn: int,
+) -> int:
+    """How many tokens of `ids` the rendering of `messages` alone covers (it must be a prefix)."""
     prefix = list(
         tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt

@@ -118,6 +118,8 @@ def _load_files(builder: str, data_files: str | None, split: str, where: str) ->
         if data_files is None:
             return datasets.load_dataset(builder, split=split)
         return datasets.load_dataset(builder, data_files=data_files, split=split)
+    except FileNotFoundError as error:  # a folder without data files, among others
+        raise ConfigError(f"{where}: {error}") from error
     except datasets.exceptions.DatasetGenerationError as error:
         bad = first_malformed_json_line(data_files or builder)
         if bad:
