@@ -62,7 +62,7 @@ def train(
 
     history: list[dict[str, Any]] = []
     dp_group = parallel.dp_mesh.get_group()
-    interval_start, interval_tokens, logged_step = time.perf_counter(), 0, 0
+    interval_start, interval_tokens, last_logged = time.perf_counter(), 0, 0
     for step in range(config.train.max_steps):
         micro_batches = [
             {k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in batches.next_step()
@@ -92,6 +92,7 @@ def train(
         interval_tokens += config.train.global_batch_size * config.data.max_len
         done = step + 1
         if config.train.eval_every and done % config.train.eval_every == 0:
+            eval_start = time.perf_counter()
             record = {
                 "step": done,
                 **evaluate(model, data.eval, device, config.parallel.loss_parallel, dp_group),
@@ -99,13 +100,14 @@ def train(
             history.append(record)
             for sink in sinks:
                 sink.write(record)
+            interval_start += time.perf_counter() - eval_start  # eval time is not training time
         if done % config.train.log_every and done != config.train.max_steps:
             continue
         dist.all_reduce(loss_sum, group=dp_group)
         memory = torch.tensor(peak_memory_gib(device), device=device)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
         elapsed = time.perf_counter() - interval_start
-        steps_in_interval = done - logged_step
+        steps_in_interval = done - last_logged
         supervised = int(tokens.item())
         record = {
             "step": done,
@@ -123,7 +125,7 @@ def train(
         history.append(record)
         for sink in sinks:
             sink.write(record)
-        interval_start, interval_tokens, logged_step = time.perf_counter(), 0, done
+        interval_start, interval_tokens, last_logged = time.perf_counter(), 0, done
 
     for sink in sinks:
         sink.close()
