@@ -17,8 +17,11 @@ PRECISIONS = ("bf16", "fp32")
 ACTIVATION_CHECKPOINTING = ("none", "full")
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 WANDB_MODES = ("online", "offline", "disabled")
-DATA_FORMATS = ("prompt_response",)
 EXPORT_DTYPES = ("bf16", "fp32")
+DATA_FORMATS = ("prompt_response", "messages", "text")
+OVERLONG = ("truncate", "drop")
+# What marks data.path as meant to be local (so a typo is "no such file", not a failed hub lookup).
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 
 
 class ConfigError(ValueError):
@@ -38,15 +41,43 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class MixSource:
+    """One dataset of data.mix; unset fields take data.*'s value."""
+
     path: str = "???"
-    format: str = "prompt_response"
+    weight: float = 1.0  # share of the training stream: weight / sum of weights
+    split: str | None = None
+    max_samples: int | None = None
+    format: str | None = None
+    input_key: str | None = None
+    output_key: str | None = None
+    system_key: str | None = None
+    messages_key: str | None = None
+    text_key: str | None = None
+
+
+@dataclass
+class DataConfig:
+    # Hub dataset id, or a local json/jsonl/parquet/csv/arrow file, or a folder of them (or save_to_disk's).
+    path: str = "???"
+    split: str = "train"
+    max_samples: int | None = None  # the first N examples of the split
+    format: str = "prompt_response"  # prompt_response | messages | text
     input_key: str = "prompt"
     output_key: str = "response"
     system_key: str | None = None
+    messages_key: str = "messages"  # format=messages: a list of {role, content}
+    text_key: str = "text"  # format=text: loss on every token
+    # When set, these datasets (mixed by weight) replace data.path.
+    mix: list[MixSource] = field(default_factory=list)
     max_len: int = 128
+    overlong: str = "truncate"  # examples over max_len tokens: truncate | drop
     packing: bool = False
     shuffle: bool = True
+    num_proc: int = 1  # processes for tokenization (datasets.map)
+    num_workers: int = 0  # DataLoader worker processes building rows
+    eval_split: str | None = None  # a split of the same source(s) for eval_loss ...
+    eval_fraction: float = 0.0  # ... or this fraction of each source held out (seeded)
 
 
 @dataclass
@@ -81,6 +112,7 @@ class TrainConfig:
     precision: str = "bf16"
     nonfinite: str = "skip"  # a step with non-finite gradients: skip it, or abort the run
     max_skips: int = 5  # abort when more than this many steps in a row were skipped
+    eval_every: int = 0  # steps between eval_loss lines; 0: no eval
 
 
 @dataclass
@@ -178,6 +210,44 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> MeshShape:
     return MeshShape(parallel.dp_replicate, dp_shard, parallel.tp)
 
 
+def _check_source_path(key: str, path: str) -> None:
+    """Local paths must exist; anything else is taken for a hub id and resolved when loading."""
+    looks_local = path.startswith(("/", "./", "../", "~")) or path.endswith(LOCAL_SUFFIXES)
+    if looks_local and not os.path.exists(os.path.expanduser(path)):
+        raise ConfigError(f"{key}={path!r}: no such file or folder")
+
+
+def check_data(data: DataConfig, train: TrainConfig) -> None:
+    _one_of("data.overlong", data.overlong, OVERLONG)
+    _positive("data.num_proc", data.num_proc)
+    if data.num_workers < 0:
+        raise ConfigError(f"data.num_workers={data.num_workers}: must be >= 0")
+    if data.max_samples is not None:
+        _positive("data.max_samples", data.max_samples)
+    if data.mix:
+        for i, source in enumerate(data.mix):
+            _check_source_path(f"data.mix[{i}].path", source.path)
+            if not source.weight > 0:
+                raise ConfigError(f"data.mix[{i}].weight={source.weight}: must be > 0")
+            if source.format is not None:
+                _one_of(f"data.mix[{i}].format", source.format, DATA_FORMATS)
+            if source.max_samples is not None:
+                _positive(f"data.mix[{i}].max_samples", source.max_samples)
+    else:
+        _check_source_path("data.path", data.path)
+    if not 0.0 <= data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={data.eval_fraction}: must be in [0, 1)")
+    if data.eval_split is not None and data.eval_fraction > 0:
+        raise ConfigError("data.eval_split and data.eval_fraction: set one of them, not both")
+    if train.eval_every < 0:
+        raise ConfigError(f"train.eval_every={train.eval_every}: must be >= 0")
+    if train.eval_every and data.eval_split is None and data.eval_fraction == 0:
+        raise ConfigError(
+            f"train.eval_every={train.eval_every} needs an eval set: "
+            "set data.eval_split or data.eval_fraction"
+        )
+
+
 def check_config(config: Config, world_size: int, model_config: Any) -> MeshShape:
     """Every cross-check that can fail before launch. Returns the resolved mesh shape."""
     shape = mesh_shape(config.parallel, world_size)
@@ -210,10 +280,7 @@ def check_config(config: Config, world_size: int, model_config: Any) -> MeshShap
             f"train.global_batch_size={train.global_batch_size} is not divisible by "
             f"train.micro_batch_size={train.micro_batch_size} × dp={shape.dp} (= {per_step})"
         )
-    if not os.path.isfile(data.path):
-        raise ConfigError(f"data.path={data.path!r}: no such file")
-    if data.packing:
-        raise ConfigError("data.packing=true: packing is not available yet; use false")
+    check_data(data, train)
     if parallel.sequence_parallel and data.max_len % shape.tp:
         raise ConfigError(
             f"data.max_len={data.max_len} is not divisible by parallel.tp={shape.tp}, "

@@ -55,6 +55,11 @@ class ConsoleSink:
         self.max_steps = max_steps
 
     def write(self, record: dict[str, Any]) -> None:
+        if "eval_loss" in record:
+            log.info(
+                f"step {record['step']:>{self.width}}/{self.max_steps} | eval_loss {record['eval_loss']:.4f}"
+            )
+            return
         mfu = f" | mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
         log.info(
             f"step {record['step']:>{self.width}}/{self.max_steps} | loss {record['loss']:.4f} | "

@@ -33,20 +33,37 @@ def causal_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    position_ids: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal sdpa over the full (gathered) sequence. HF would build its mask from the local,
-    sequence-sharded length, so the mask is never built (see `_no_mask`) and padding is on the right."""
+    sequence-sharded length, so the mask is never built (see `_no_mask`) and padding is on the right.
+    Packed rows restart `position_ids` (full length: HF forwards them to here) at every document:
+    then the mask is block-diagonal causal, so no token attends across documents."""
+    mask = document_mask(position_ids)
     out = F.scaled_dot_product_attention(
         query,
         key,
         value,
+        attn_mask=mask,
         dropout_p=dropout,
-        is_causal=True,
+        is_causal=mask is None,
         scale=scaling,
         enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def document_mask(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """[batch, 1, seq, seq] boolean (True: may attend) for rows with several documents; None when
+    every row is one document (plain causal, the fast path). A dense mask is what sdpa takes on any
+    device; varlen or flex attention on GPU would take the same document ids (issue 8)."""
+    if position_ids is None or not bool((position_ids[:, 1:] == 0).any()):
+        return None
+    documents = (position_ids == 0).cumsum(dim=-1)
+    same = documents[:, :, None] == documents[:, None, :]
+    causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
+    return (same & causal)[:, None]
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

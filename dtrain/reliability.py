@@ -53,7 +53,7 @@ class RankFailure(RuntimeError):
 
 
 class StepGuard:
-    """Per-step agreement between ranks, one small all-reduce at the start of each step."""
+    """Per-step agreement between ranks: two one-element all-reduces at the start of each step."""
 
     def __init__(self, settings: TrainConfig, device: torch.device) -> None:
         self.settings = settings
@@ -73,26 +73,33 @@ class StepGuard:
         for signum in PREEMPTION_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
 
-    def start_step(self, step: int, fetch: Callable[[int], T]) -> tuple[T | None, bool]:
-        """Run `fetch(step)` (the step's data) on every rank; returns (its result, preempted). If it
-        raised on any rank, every rank raises RankFailure with the lowest failing rank's message."""
+    def preempted(self) -> bool:
+        """Whether any rank received a preemption signal (agreed by all, before the step's data
+        is taken, so the saved data position is the step's own)."""
+        flag = torch.tensor([self._signalled is not None], device=self.device)
+        dist.all_reduce(flag)
+        return bool(flag.item())
+
+    def agreed(self, step: int, fetch: Callable[[], T]) -> T:
+        """Run `fetch` (the step's data) on every rank. If it raised on any rank, every rank
+        raises RankFailure with the lowest failing rank's message, instead of the others waiting
+        for it in the step's first collective."""
         _maybe_kill(step + 1)
         time.sleep(float(os.environ.get(STEP_SLEEP_ENV, "0")))
         result, error = None, None
         try:
             if _injected(FAIL_FETCH_AT_STEP_ENV, step + 1):
                 raise ValueError("injected bad batch")
-            result = fetch(step)
+            result = fetch()
         except Exception as caught:  # anything: the point is that no rank is left waiting
             error = f"rank {dist.get_rank()}: {type(caught).__name__}: {caught}"
-        status = torch.tensor([error is not None, self._signalled is not None], device=self.device)
-        dist.all_reduce(status)
-        failed, preempted = (bool(x) for x in status.tolist())
-        if failed:
+        failed = torch.tensor([error is not None], device=self.device)
+        dist.all_reduce(failed)
+        if failed.item():
             messages = [None] * dist.get_world_size()
             dist.all_gather_object(messages, error)
             raise RankFailure(f"step {step + 1}: {next(m for m in messages if m)}")
-        return result, preempted
+        return result
 
     def poison(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """The tests' poisoned batch."""

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from dtrain.checkpoint import Checkpointer, Progress, checkpoint_dir, load
 from dtrain.config import Config, MeshShape
-from dtrain.data import IGNORE, StepBatches, load_examples, load_tokenizer
+from dtrain.data import IGNORE, build_data, load_tokenizer
 from dtrain.distributed import Parallel, build_parallel
 from dtrain.export import export_hf
 from dtrain.loss import loss_context, summed_cross_entropy
@@ -55,18 +55,8 @@ def train(
     scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
 
     tokenizer = load_tokenizer(config.model.tokenizer or resolve_model_path(config.model.name_or_path))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batches = StepBatches(
-        load_examples(config.data, tokenizer),
-        global_batch_size=config.train.global_batch_size,
-        micro_batch_size=config.train.micro_batch_size,
-        dp_rank=parallel.dp_rank,
-        dp_size=parallel.dp_size,
-        max_len=config.data.max_len,
-        pad_id=pad_id,
-        seed=config.train.seed,
-        shuffle=config.data.shuffle,
-    )
+    data = build_data(config.data, config.train, tokenizer, parallel.dp_rank, parallel.dp_size)
+    batches = data.train  # state_dict() / load_state_dict(): where the global stream stands
 
     progress = load(resume_from, model, optimizer, scheduler, batches) if resume_from else Progress()
     checkpointer = Checkpointer(config.checkpoint, checkpoint_dir(config.checkpoint, run_dir), resolved)
@@ -76,7 +66,7 @@ def train(
     peak = peak_flops(device)
     sinks = open_sinks(config, resolved, run_dir) if is_rank0 else []
     if is_rank0:
-        log_summary(model, parallel, config, num_params, len(batches.examples))
+        log_summary(model, parallel, config, num_params, data.num_examples)
 
     history: list[dict[str, Any]] = []
     dp_group = parallel.dp_mesh.get_group()
@@ -84,15 +74,19 @@ def train(
     tokens_seen = torch.tensor(float(progress.tokens_seen), device=device)
     guard = StepGuard(config.train, device)
     for step in range(progress.step, config.train.max_steps):
-        host_batches, preempted = guard.start_step(step, batches.micro_batches)
-        if preempted:  # some rank got SIGTERM/SIGUSR1 during the last step: save it and stop
+        if guard.preempted():  # some rank got SIGTERM/SIGUSR1 during the last step: save it, stop
             checkpointer.save(model, optimizer, scheduler, batches, Progress(step, int(tokens_seen.item())))
             checkpointer.wait()
             raise Preempted(step)
+        host_batches = guard.agreed(step, batches.next_step)
         micro_batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in host_batches]
-        # The loss is a token mean over the whole global batch: count its targets on every dp rank.
-        tokens = sum((mb["labels"] != IGNORE).sum() for mb in micro_batches).float()
-        dist.all_reduce(tokens, group=dp_group)
+        # The loss is a token mean over the whole global batch: count its targets on every dp rank
+        # (and its non-pad slots, for the padding fraction).
+        counts = sum(
+            torch.stack([(mb["labels"] != IGNORE).sum(), mb["num_tokens"].sum()]) for mb in micro_batches
+        ).float()
+        dist.all_reduce(counts, group=dp_group)
+        tokens, filled = counts[0], counts[1]
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
             with loss_context(config.parallel.loss_parallel):
@@ -116,6 +110,16 @@ def train(
         if checkpointer.due(done, config.train.max_steps):
             progress = Progress(step=done, tokens_seen=int(tokens_seen.item()))
             checkpointer.save(model, optimizer, scheduler, batches, progress)
+        if config.train.eval_every and done % config.train.eval_every == 0:
+            eval_start = time.perf_counter()
+            record = {
+                "step": done,
+                **evaluate(model, data.eval, device, config.parallel.loss_parallel, dp_group),
+            }
+            history.append(record)
+            for sink in sinks:
+                sink.write(record)
+            interval_start += time.perf_counter() - eval_start  # eval time is not training time
         if done % config.train.log_every and done != config.train.max_steps:
             continue
         dist.all_reduce(loss_sum, group=dp_group)
@@ -130,6 +134,7 @@ def train(
             "grad_norm": grad_norm.item(),
             "lr": lr,
             "tokens": supervised,
+            "padding_fraction": 1.0 - filled.item() / (config.train.global_batch_size * config.data.max_len),
             "tokens_per_s": supervised * steps_in_interval / elapsed,
             "input_tokens_per_s": interval_tokens / elapsed,
             "step_time_s": elapsed / steps_in_interval,
@@ -149,6 +154,24 @@ def train(
     for sink in sinks:
         sink.close()
     return RunResult(history, model, optimizer)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, micro_batches: list, device: torch.device, loss_parallel: bool, dp_group: Any
+) -> dict[str, Any]:
+    """eval_loss: the token mean over the whole eval set (every dp rank's share)."""
+    model.eval()
+    totals = torch.zeros(2, device=device)
+    for mb in micro_batches:
+        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+        with loss_context(loss_parallel):
+            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
+            totals[0] += summed_cross_entropy(logits, mb["labels"])
+        totals[1] += (mb["labels"] != IGNORE).sum()
+    dist.all_reduce(totals, group=dp_group)
+    model.train()
+    return {"eval_loss": (totals[0] / totals[1]).item(), "eval_tokens": int(totals[1].item())}
 
 
 def log_summary(model: torch.nn.Module, parallel: Parallel, config: Config, num_params: int, n: int) -> None:

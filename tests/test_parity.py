@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from helpers import (
     GLOBAL_BATCH,
-    MAX_LEN,
     ROOT,
     STEPS,
     TOKENIZER,
@@ -23,7 +22,8 @@ from helpers import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
-from dtrain.data import IGNORE, StepBatches, load_examples
+from dtrain.config import TrainConfig
+from dtrain.data import IGNORE, build_data
 
 RTOL = 1e-5
 MESH_RUNS = {
@@ -67,20 +67,14 @@ def reference_run(model_dir):
     )
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=STEPS)
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    batches = StepBatches(
-        load_examples(config.data, tokenizer),
-        global_batch_size=GLOBAL_BATCH,
-        micro_batch_size=GLOBAL_BATCH,
-        dp_rank=0,
-        dp_size=1,
-        max_len=MAX_LEN,
-        pad_id=tokenizer.pad_token_id,
-        seed=config.train.seed,
-        shuffle=True,
+    # dtrain's loader gives the global batches (the stream is mesh-independent: see test_data.py).
+    one_batch = TrainConfig(
+        global_batch_size=GLOBAL_BATCH, micro_batch_size=GLOBAL_BATCH, seed=config.train.seed
     )
+    batches = build_data(config.data, one_batch, tokenizer, dp_rank=0, dp_size=1).train
     losses, norms = [], []
-    for step in range(STEPS):
-        (batch,) = batches.micro_batches(step)
+    for _ in range(STEPS):
+        (batch,) = batches.next_step()
         logits = model(input_ids=batch["input_ids"], use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
         loss.backward()

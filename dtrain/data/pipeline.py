@@ -1,0 +1,234 @@
+"""The data stages in order: sources → tokenize (datasets.map, cached, once per machine) → drop what
+cannot train → eval hold-out → weighted mix → rows (packed or not) → loaders."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import datasets
+import torch
+import torch.distributed as dist
+from datasets.fingerprint import Hasher
+from transformers import PreTrainedTokenizerBase
+
+from dtrain.config import ConfigError, DataConfig, TrainConfig
+from dtrain.data.formats import KEPT, TRUNCATED, pad_id, tokenize_example
+from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
+from dtrain.data.packing import efficiency, one_per_row, pack
+from dtrain.data.sources import Source, load_split, sources
+from dtrain.metrics import log
+
+# Bump when tokenize_example changes what it writes, so old cache files are not reused.
+TOKENIZE_VERSION = 1
+FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "mask": datasets.Sequence(datasets.Value("int8")),
+        "length": datasets.Value("int32"),
+        "status": datasets.Value("string"),
+    }
+)
+T = TypeVar("T")
+PREPARE_TIMEOUT_S = 24 * 3600  # how long ranks wait for local rank 0 to tokenize
+
+
+@dataclass
+class SFTData:
+    train: SFTLoader
+    eval: list[dict[str, torch.Tensor]] | None  # this dp rank's eval micro-batches
+    num_examples: int  # training examples (before packing)
+    efficiency: float  # non-pad tokens / slots of the training rows
+
+
+def build_data(
+    data: DataConfig, train: TrainConfig, tokenizer: PreTrainedTokenizerBase, dp_rank: int, dp_size: int
+) -> SFTData:
+    train_examples, eval_examples = once_per_machine(lambda: prepare(data, tokenizer, train.seed))
+    rows = to_rows(train_examples, data, tokenizer)
+    fill = efficiency(column(train_examples, "length"), rows.rows, data.max_len)
+    log.info(
+        f"data: {len(train_examples)} training examples in {len(rows)} rows of {data.max_len} "
+        f"({'packed' if data.packing else 'one per row'}), efficiency {fill:.1%} (non-pad tokens / slots)"
+    )
+    loader = SFTLoader(
+        rows,
+        global_batch_size=train.global_batch_size,
+        micro_batch_size=train.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=train.seed,
+        shuffle=data.shuffle,
+        num_workers=data.num_workers,
+    )
+    evals = None
+    if eval_examples is not None:
+        eval_rows = to_rows(eval_examples, data, tokenizer)
+        evals = eval_micro_batches(eval_rows, train.micro_batch_size, dp_rank, dp_size)
+        log.info(f"data: {len(eval_examples)} eval examples in {len(eval_rows)} rows")
+    return SFTData(loader, evals, len(train_examples), fill)
+
+
+def to_rows(examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Rows:
+    layout = pack(column(examples, "length"), data.max_len) if data.packing else one_per_row(len(examples))
+    return Rows(examples, layout, data.max_len, pad_id(tokenizer))
+
+
+def column(dataset: datasets.Dataset, name: str) -> list:
+    """A whole column as a list at once (datasets' Column costs ~100 µs per item indexed)."""
+    return dataset[name][:]
+
+
+def prepare(
+    data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
+) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """The training examples (mixed) and the eval examples (or None), tokenized and filtered."""
+    train_parts, eval_parts, weights = [], [], []
+    for source in sources(data):
+        examples = tokenized(load_split(source, source.split), source, data, tokenizer)
+        if data.eval_fraction > 0:
+            examples, held_out = hold_out(examples, data.eval_fraction, seed, source)
+            eval_parts.append(held_out)
+        elif data.eval_split is not None:
+            eval_parts.append(tokenized(load_split(source, data.eval_split), source, data, tokenizer))
+        train_parts.append(examples)
+        weights.append(source.weight)
+    train_examples = mix(train_parts, weights, seed)
+    eval_examples = datasets.concatenate_datasets(eval_parts) if eval_parts else None
+    return train_examples, eval_examples
+
+
+def tokenized(
+    dataset: datasets.Dataset, source: Source, data: DataConfig, tokenizer: PreTrainedTokenizerBase
+) -> datasets.Dataset:
+    """Tokenize with datasets.map (cached under a fingerprint of everything that shapes the result),
+    count why examples are dropped, keep the rest."""
+    settings = dict(max_len=data.max_len, overlong=data.overlong)
+    fingerprint = Hasher.hash(
+        [
+            dataset._fingerprint,
+            dataclasses.asdict(source),
+            settings,
+            tokenizer_identity(tokenizer),
+            TOKENIZE_VERSION,
+        ]
+    )
+    result = dataset.map(
+        tokenize_example,
+        fn_kwargs=dict(tokenizer=tokenizer, source=source, **settings),
+        with_indices=True,
+        remove_columns=dataset.column_names,
+        features=FEATURES,
+        num_proc=data.num_proc if data.num_proc > 1 else None,
+        new_fingerprint=fingerprint,
+        desc=f"tokenizing {source.path}",
+    )
+    statuses = column(result, "status")
+    counts = Counter(statuses)
+    dropped = {status: n for status, n in counts.items() if status not in KEPT}
+    log.info(
+        f"data: {source.path} [{dataset.split}]: "
+        f"{len(result)} examples, {counts[TRUNCATED]} truncated to data.max_len={data.max_len}, dropped "
+        + (", ".join(f"{n} {status}" for status, n in sorted(dropped.items())) or "none")
+    )
+    keep = [i for i, status in enumerate(statuses) if status in KEPT]
+    if not keep:
+        raise ConfigError(
+            f"{source.key}={source.path!r}: no example left after filtering ({dict(counts)}); "
+            "check data.format, the keys, data.max_len and data.overlong"
+        )
+    return result.select(keep, keep_in_memory=True) if len(keep) < len(result) else result
+
+
+def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> list[Any]:
+    """What the tokenized result depends on: vocabulary and rules, template, special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return [
+        backend.to_str() if backend is not None else tokenizer.get_vocab(),
+        tokenizer.chat_template,
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+    ]
+
+
+def hold_out(
+    examples: datasets.Dataset, fraction: float, seed: int, source: Source
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """A seeded fraction of the examples for eval, the rest for training."""
+    count = round(fraction * len(examples))
+    if not 0 < count < len(examples):
+        raise ConfigError(
+            f"data.eval_fraction={fraction}: holds out {count} of the {len(examples)} examples of "
+            f"{source.path!r}; need at least one for eval and one for training"
+        )
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    return (
+        examples.select(sorted(order[count:]), keep_in_memory=True),
+        examples.select(sorted(order[:count]), keep_in_memory=True),
+    )
+
+
+def mix(parts: list[datasets.Dataset], weights: list[float], seed: int) -> datasets.Dataset:
+    """One epoch of the mix: as many examples as all sources together, source i's share
+    weight_i / Σ weights (largest remainder); a source smaller than its share repeats, a larger one
+    is subsampled, both in a seeded order."""
+    if len(parts) == 1:
+        return parts[0]
+    total = sum(len(part) for part in parts)
+    shares = [w / sum(weights) * total for w in weights]
+    counts = [int(share) for share in shares]
+    by_remainder = sorted(range(len(parts)), key=lambda i: (counts[i] - shares[i], i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    chosen = []
+    for i, (part, count) in enumerate(zip(parts, counts, strict=True)):
+        order = torch.randperm(len(part), generator=torch.Generator().manual_seed(seed * 1009 + i)).tolist()
+        chosen.append(part.select([order[k % len(part)] for k in range(count)], keep_in_memory=True))
+    log.info(f"data: mix of {len(parts)} sources, examples per epoch {counts}")
+    return datasets.concatenate_datasets(chosen)
+
+
+def once_per_machine(prepare_fn: Callable[[], T]) -> T:
+    """Local rank 0 runs prepare_fn first (so datasets' cache is filled once per machine); the
+    other ranks then run it and read the cache. An error on any rank reaches every rank, instead
+    of leaving the others waiting in a barrier."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return prepare_fn()
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if not first:
+        datasets.disable_progress_bars()
+    # Tokenizing a large dataset can outlast parallel.timeout_s: wait on a group of our own. A rank
+    # that dies does not leave the others waiting that long: torchrun stops them.
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PREPARE_TIMEOUT_S))
+    result: Any = None
+    try:
+        for turn in (True, False):
+            error: BaseException | None = None
+            if first == turn:
+                try:
+                    result = prepare_fn()
+                except Exception as caught:  # shared below, then raised on every rank
+                    error = caught
+            _raise_if_any(error, group)
+    finally:
+        dist.destroy_process_group(group)
+    return result
+
+
+def _raise_if_any(error: BaseException | None, group: dist.ProcessGroup) -> None:
+    messages: list[Any] = [None] * dist.get_world_size()
+    mine = None if error is None else (isinstance(error, ConfigError), str(error))
+    dist.all_gather_object(messages, mine, group=group)
+    if error is not None:
+        raise error
+    for rank, message in enumerate(messages):
+        if message is not None:
+            is_config, text = message
+            if is_config:
+                raise ConfigError(text)
+            raise RuntimeError(f"data preparation failed on rank {rank}: {text}")

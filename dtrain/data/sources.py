@@ -1,0 +1,159 @@
+"""Where examples come from: a hub dataset id, a local file or folder, one split, the first
+max_samples; several of them mixed by weight. Everything loads through Hugging Face `datasets`."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+
+from dtrain.config import ConfigError, DataConfig
+
+# datasets' packaged builder for each local file suffix.
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dataset with its format and keys resolved (data.mix entries inherit data.*)."""
+
+    key: str  # the config key that names it, for errors: data.path or data.mix[i].path
+    path: str
+    split: str
+    max_samples: int | None
+    weight: float
+    format: str
+    input_key: str
+    output_key: str
+    system_key: str | None
+    messages_key: str
+    text_key: str
+
+    def columns(self) -> list[str]:
+        """The columns this format reads, with the config key that names each."""
+        if self.format == "messages":
+            return [self.messages_key]
+        if self.format == "text":
+            return [self.text_key]
+        return [self.input_key, self.output_key] + ([self.system_key] if self.system_key else [])
+
+
+def sources(data: DataConfig) -> list[Source]:
+    if not data.mix:
+        return [
+            Source(
+                "data.path", data.path, data.split, data.max_samples, 1.0, data.format, data.input_key,
+                data.output_key, data.system_key, data.messages_key, data.text_key,
+            )
+        ]  # fmt: skip
+    resolved = []
+    for i, mix in enumerate(data.mix):
+
+        def pick(name: str, mix=mix):  # a mix entry's own value, else data.<name>
+            value = getattr(mix, name)
+            return getattr(data, name) if value is None else value
+
+        resolved.append(
+            Source(
+                f"data.mix[{i}].path", mix.path, pick("split"), pick("max_samples"), mix.weight,
+                pick("format"), pick("input_key"), pick("output_key"), pick("system_key"),
+                pick("messages_key"), pick("text_key"),
+            )
+        )  # fmt: skip
+    return resolved
+
+
+def load_split(source: Source, split: str) -> datasets.Dataset:
+    """The split of the source, cut to max_samples, with the columns its format needs checked."""
+    path = os.path.expanduser(source.path)
+    where = f"{source.key}={source.path!r}"
+    try:
+        dataset = _load(path, split, where)
+    except ConfigError:
+        raise
+    except ValueError as error:  # datasets' "Unknown split" and friends
+        raise ConfigError(f"{where} split {split!r}: {error}") from error
+    if source.max_samples is not None:
+        dataset = dataset.select(range(min(source.max_samples, len(dataset))))
+    if len(dataset) == 0:
+        raise ConfigError(f"{where} split {split!r}: the dataset is empty")
+    for column in source.columns():
+        if column not in dataset.column_names:
+            raise ConfigError(
+                f"{where}: missing key {column!r} (data.format={source.format}); "
+                f"the dataset has columns {dataset.column_names}"
+            )
+    return dataset
+
+
+def _load(path: str, split: str, where: str) -> datasets.Dataset:
+    if os.path.isfile(path):
+        suffix = Path(path).suffix
+        if suffix not in BUILDERS:
+            raise ConfigError(f"{where}: unknown file type {suffix!r}; use one of {sorted(BUILDERS)}")
+        if is_blank(path):  # datasets' json builder fails on these with a bare StopIteration
+            raise ConfigError(f"{where}: the file is empty")
+        return _load_files(BUILDERS[suffix], path, split, where)
+    if os.path.isdir(path):
+        if (Path(path) / "state.json").is_file() or (Path(path) / "dataset_dict.json").is_file():
+            saved = datasets.load_from_disk(path)  # a save_to_disk folder
+            return saved[split] if isinstance(saved, datasets.DatasetDict) else saved
+        return _load_files(path, None, split, where)
+    try:  # a hub id; datasets handles the download and its cache
+        return datasets.load_dataset(path, split=split)
+    except ValueError:
+        raise
+    except Exception as error:  # the hub's errors are many; the user needs the id and the cause
+        raise ConfigError(
+            f"{where}: not a local file or folder, and loading it from the hub failed: {error}"
+        ) from error
+
+
+def _load_files(builder: str, data_files: str | None, split: str, where: str) -> datasets.Dataset:
+    """A packaged builder on files, or (data_files None) a folder whose builder datasets infers."""
+    try:
+        if data_files is None:
+            return datasets.load_dataset(builder, split=split)
+        return datasets.load_dataset(builder, data_files=data_files, split=split)
+    except FileNotFoundError as error:  # a folder without data files, among others
+        raise ConfigError(f"{where}: {error}") from error
+    except datasets.exceptions.DatasetGenerationError as error:
+        bad = first_malformed_json_line(data_files or builder)
+        if bad:
+            raise ConfigError(bad) from error
+        raise ConfigError(f"{where}: cannot be read: {error.__cause__ or error}") from error
+
+
+def is_blank(path: str) -> bool:
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def first_malformed_json_line(path: str) -> str | None:
+    """`file:line: why` for the first line of a JSON-lines file that does not parse (arrow's own
+    error counts rows within a block, not lines in the file)."""
+    files = sorted(Path(path).rglob("*.json*")) if os.path.isdir(path) else [Path(path)]
+    for file in files:
+        if file.suffix not in (".json", ".jsonl"):
+            continue
+        with file.open(encoding="utf-8") as lines:
+            first = lines.read(1)
+            if first == "[":  # one JSON document, not lines
+                continue
+            lines.seek(0)
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    return f"{file}:{number}: malformed JSON ({error.msg})"
+                if not isinstance(record, dict):
+                    return f"{file}:{number}: expected a JSON object, got {type(record).__name__}"
+    return None

@@ -1,0 +1,330 @@
+"""The data pipeline in one process: sources, masks against an independent rendering, drops, the
+loader's global stream (coverage, resume on another dp size), and every bad input through the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections import Counter
+
+import datasets
+import pyarrow as pa
+import pytest
+import torch
+from helpers import DATASET, TOKENIZER, parity_config, run, torchrun
+from transformers import AutoTokenizer
+
+from dtrain.config import ConfigError, DataConfig, MixSource, check_config
+from dtrain.data import SFTLoader, eval_micro_batches, prepare, to_rows
+from dtrain.data.formats import EMPTY, NO_TARGET, OK, OVERLONG, TRUNCATED, tokenize_example
+from dtrain.data.sources import load_split, sources
+from dtrain.model import load_model_config
+
+TEMPLATE = (TOKENIZER / "chat_template.jinja").read_text()
+NO_MARKERS = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+# The generation prompt ends in a token that the assistant turn itself does not start with: a
+# prefix rendering's length would mark one prompt token too many and lose the first response token.
+SEAM = "{%- if add_generation_prompt -%}<|assistant|>"
+MIS_MASKING = TEMPLATE.replace(SEAM, SEAM + ":")
+MIS_MASKING_NO_MARKERS = NO_MARKERS.replace(SEAM, SEAM + ":")
+
+CONVERSATION = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "sort: b a"},
+    {"role": "assistant", "content": "a b"},
+    {"role": "user", "content": "reverse: abc"},
+    {"role": "assistant", "content": "cba"},
+]
+
+
+@pytest.fixture(autouse=True)
+def _datasets_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    datasets.disable_progress_bars()
+
+
+def tokenizer_with(template: str):
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def independent_rendering(tokenizer, messages) -> tuple[list[int], list[int]]:
+    """The shipped template written out by hand: special tokens between separately encoded texts."""
+    ids, mask = [tokenizer.bos_token_id], [0]
+    for message in messages:
+        body = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+        assistant = message["role"] == "assistant"
+        end = tokenizer.eos_token_id if assistant else tokenizer.convert_tokens_to_ids("<|end|>")
+        ids += [tokenizer.convert_tokens_to_ids(f"<|{message['role']}|>"), *body, end]
+        mask += [0] + [int(assistant)] * (len(body) + 1)
+    return ids, mask
+
+
+def tokenize(tokenizer, record: dict, max_len: int = 1000, overlong: str = "truncate", **data) -> dict:
+    (source,) = sources(DataConfig(path="unused.jsonl", **data))
+    return tokenize_example(record, 0, tokenizer=tokenizer, source=source, max_len=max_len, overlong=overlong)
+
+
+PROMPT_RESPONSE = {"system": "be brief", "prompt": "sort: b a", "response": "a b"}
+
+
+@pytest.mark.parametrize("template", [TEMPLATE, NO_MARKERS, MIS_MASKING], ids=["markers", "prefix", "seam"])
+@pytest.mark.parametrize("fmt", ["prompt_response", "messages"])
+def test_supervised_tokens_are_exactly_the_assistant_tokens(template, fmt):
+    tokenizer = tokenizer_with(template)
+    if fmt == "messages":
+        messages, record, keys = CONVERSATION, {"messages": CONVERSATION}, {}
+    else:
+        messages = CONVERSATION[:3]
+        record, keys = PROMPT_RESPONSE, {"system_key": "system"}
+    result = tokenize(tokenizer, record, format=fmt, **keys)
+    assert (result["input_ids"], result["mask"]) == independent_rendering(tokenizer, messages)
+    assert result["status"] == OK
+
+
+def test_prefix_rendering_that_would_mis_mask_raises_naming_the_example():
+    tokenizer = tokenizer_with(MIS_MASKING_NO_MARKERS)
+    ids, mask = independent_rendering(tokenizer, CONVERSATION[1:3])
+    prompt = tokenizer.apply_chat_template(CONVERSATION[1:2], add_generation_prompt=True, tokenize=True)
+    naive = [0] * len(prompt["input_ids"]) + [1] * (len(ids) - len(prompt["input_ids"]))
+    assert naive != mask  # what masking by the prompt's length would have done
+    with pytest.raises(ConfigError, match=r"example 0: .*differently alone.*generation"):
+        tokenize(tokenizer, PROMPT_RESPONSE)
+
+
+def test_text_is_supervised_everywhere_and_lengths_are_handled():
+    tokenizer = tokenizer_with(TEMPLATE)
+    text = tokenize(tokenizer, {"text": "hello world"}, format="text")
+    assert text["input_ids"][0] == tokenizer.bos_token_id and text["input_ids"][-1] == tokenizer.eos_token_id
+    assert set(text["mask"]) == {1}
+    assert tokenize(tokenizer, {"text": " "}, format="text")["status"] == EMPTY
+    assert tokenize(tokenizer, {"prompt": "q", "response": " "})["status"] == EMPTY
+    long = {"prompt": "x " * 40, "response": "y"}
+    assert tokenize(tokenizer, long, max_len=32)["status"] == NO_TARGET  # the response was cut off
+    assert tokenize(tokenizer, long, max_len=32, overlong="drop")["status"] == OVERLONG
+    cut = tokenize(tokenizer, {"prompt": "q", "response": "y " * 40}, max_len=32)
+    assert cut["status"] == TRUNCATED and cut["length"] == 32
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"data.overlong": "cut"}, "data.overlong='cut': must be one of truncate, drop"),
+        ({"data.format": "chat"}, "data.format='chat': must be one of"),
+        ({"train.eval_every": 5}, "train.eval_every=5 needs an eval set"),
+        ({"data.eval_fraction": 1.0}, "data.eval_fraction=1.0: must be in [0, 1)"),
+        ({"data.mix": [MixSource(path="/no/such.jsonl")]}, "data.mix[0].path='/no/such.jsonl': no such file"),
+        ({"data.mix": [MixSource(path=str(DATASET), weight=0)]}, "data.mix[0].weight=0: must be > 0"),
+    ],
+)
+def test_bad_data_config_is_refused_before_launch(changes, message):
+    config = parity_config(None, dp=1, tp=1)
+    for key, value in changes.items():
+        group, name = key.split(".")
+        setattr(getattr(config, group), name, value)
+    with pytest.raises(ConfigError) as error:
+        check_config(config, 1, load_model_config(config.model))
+    assert message in str(error.value)
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+RECORDS = [{"prompt": f"sort: {i} a", "response": f"a {i}"} for i in range(24)]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "csv", "arrow", "folder", "saved"])
+def test_local_sources_of_every_kind(tmp_path, kind):
+    table = datasets.Dataset.from_list(RECORDS)
+    path = tmp_path / f"data.{kind}"
+    if kind in ("jsonl", "folder"):
+        folder = tmp_path / "folder"
+        folder.mkdir()
+        write_jsonl(folder / "train.jsonl" if kind == "folder" else path, RECORDS)
+        path = folder if kind == "folder" else path
+    elif kind == "parquet":
+        table.to_parquet(path)
+    elif kind == "csv":
+        table.to_csv(path, index=False)
+    elif kind == "arrow":
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.data.schema) as writer:
+            writer.write_table(table.data.table)
+    else:
+        table.save_to_disk(path)
+    (source,) = sources(DataConfig(path=str(path), max_samples=10))
+    loaded = load_split(source, "train")
+    assert loaded["prompt"] == [r["prompt"] for r in RECORDS[:10]]
+
+
+def test_mix_weights_eval_split_and_eval_fraction(tmp_path):
+    first = write_jsonl(tmp_path / "a.jsonl", RECORDS[:12])
+    second = write_jsonl(tmp_path / "b.jsonl", [{"q": "reverse: ab", "a": "ba"}] * 4)
+    mix = [
+        MixSource(path=first, weight=1.0),
+        MixSource(path=second, weight=3.0, input_key="q", output_key="a"),
+    ]
+    tokenizer = tokenizer_with(TEMPLATE)
+    examples, held_out = prepare(DataConfig(path="unused", mix=mix, eval_fraction=0.25), tokenizer, seed=0)
+    assert held_out is not None and len(held_out) == 3 + 1  # a quarter of each source
+    decoded = Counter("reverse" in tokenizer.decode(ids) for ids in examples["input_ids"])
+    assert decoded == {True: 9, False: 3}  # 12 per epoch (9 + 3 left after eval), weights 3:1
+
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", RECORDS[:20])
+    write_jsonl(folder / "test.jsonl", RECORDS[20:])
+    examples, held_out = prepare(DataConfig(path=str(folder), eval_split="test"), tokenizer, seed=0)
+    assert (len(examples), len(held_out)) == (20, 4)
+
+
+def test_tokenizing_in_two_processes_gives_the_same_examples_and_errors(tmp_path):
+    tokenizer = tokenizer_with(TEMPLATE)
+    path = write_jsonl(tmp_path / "d.jsonl", RECORDS)
+    one, _ = prepare(DataConfig(path=path), tokenizer, seed=0)
+    two, _ = prepare(DataConfig(path=path, num_proc=2), tokenizer, seed=0)
+    assert one["input_ids"][:] == two["input_ids"][:] and one["mask"][:] == two["mask"][:]
+    robot = [{"messages": CONVERSATION}] * 5 + [{"messages": [{"role": "robot", "content": "hi"}]}]
+    path = write_jsonl(tmp_path / "m.jsonl", robot)
+    with pytest.raises(ConfigError, match="example 5, message 0: unknown role 'robot'"):
+        prepare(DataConfig(path=path, format="messages", num_proc=2), tokenizer, seed=0)
+
+
+@pytest.fixture(scope="module")
+def rows_by_packing(tmp_path_factory):
+    """Rows of 30 distinct examples, one per row and packed (so every row is recognisable)."""
+    datasets.config.HF_DATASETS_CACHE = str(tmp_path_factory.mktemp("hf_cache"))
+    path = write_jsonl(tmp_path_factory.mktemp("data") / "d.jsonl", [{"text": f"doc {i}"} for i in range(30)])
+    tokenizer = tokenizer_with(TEMPLATE)
+    result = {}
+    for packing in (False, True):
+        data = DataConfig(path=path, format="text", max_len=16, packing=packing)
+        result[packing] = to_rows(prepare(data, tokenizer, seed=0)[0], data, tokenizer)
+    return result
+
+
+def loaders(rows, dp: int, micro: int = 1, workers: int = 0) -> list[SFTLoader]:
+    return [
+        SFTLoader(rows, global_batch_size=4, micro_batch_size=micro, dp_rank=r, dp_size=dp, seed=5,
+                  shuffle=True, num_workers=workers)
+        for r in range(dp)
+    ]  # fmt: skip
+
+
+def global_batches(ranks: list[SFTLoader], steps: int) -> list[list[tuple]]:
+    """Each step's rows, dp rank 0's slice first: the global batch in stream order (the epoch
+    checks below then show the ranks disjoint and covering)."""
+    return [
+        [tuple(r) for loader in ranks for mb in loader.next_step() for r in mb["input_ids"].tolist()]
+        for _ in range(steps)
+    ]
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["rows", "packed"])
+def test_dp_ranks_cover_each_epoch_and_resume_on_another_dp_size(rows_by_packing, packing):
+    rows = rows_by_packing[packing]
+    every_row = sorted(tuple(rows[i]["input_ids"].tolist()) for i in range(len(rows)))
+    steps = math.ceil(2 * len(rows) / 4) + 1
+    stream = [row for batch in global_batches(loaders(rows, dp=2), steps) for row in batch]
+    assert sorted(stream[: len(rows)]) == every_row  # epoch 0: every row once
+    assert sorted(stream[len(rows) : 2 * len(rows)]) == every_row  # epoch 1 too, in another order
+    assert stream[: len(rows)] != stream[len(rows) : 2 * len(rows)]
+
+    stop = len(rows) // 4 + 1  # past the end of epoch 0: the epoch is part of the state
+    first = loaders(rows, dp=2)
+    done = global_batches(first, stop)
+    states = [loader.state_dict() for loader in first]
+    assert states[0] == states[1] and states[0]["epoch"] == 1
+    for dp, micro, workers in ((2, 2, 0), (4, 1, 1), (1, 2, 0)):
+        resumed = loaders(rows, dp=dp, micro=micro, workers=workers)
+        for loader in resumed:
+            loader.load_state_dict(json.loads(json.dumps(states[0])))  # plain JSON: any checkpoint format
+        after = global_batches(resumed, steps - stop)
+        assert [row for batch in done + after for row in batch] == stream, f"dp={dp}"
+
+
+def test_eval_rows_are_split_over_dp_ranks_once_each_with_equal_counts(rows_by_packing):
+    rows = rows_by_packing[False]
+    per_rank = [eval_micro_batches(rows, 4, rank, 3) for rank in range(3)]
+    assert len({len(batches) for batches in per_rank}) == 1  # same number of forwards everywhere
+    seen = [tuple(r) for batches in per_rank for mb in batches for r in mb["input_ids"].tolist()]
+    assert sorted(seen[: len(rows)]) == sorted(tuple(rows[i]["input_ids"].tolist()) for i in range(len(rows)))
+    padding = [mb["labels"][i] for batches in per_rank for mb in batches for i in range(len(mb["labels"]))]
+    assert all((labels == -100).all() for labels in padding[len(rows) :])
+
+
+def test_loader_state_from_other_data_is_refused(rows_by_packing):
+    state = loaders(rows_by_packing[True], dp=1)[0].state_dict()
+    with pytest.raises(ConfigError, match="rows_per_epoch"):
+        loaders(rows_by_packing[False], dp=1)[0].load_state_dict(state)
+
+
+# Bad input through the real CLI: (file contents or None, overrides, expected words of the message).
+BAD_RECORD = '{"prompt": "sort: b a", bad json}\n'
+BAD_INPUT = {
+    "missing key": (None, ["data.input_key=question"], ["missing key 'question'", "['prompt', 'response']"]),
+    "malformed JSON": ([RECORDS[0], BAD_RECORD], [], ["d.jsonl:2: malformed JSON"]),
+    "empty file": ([], [], ["d.jsonl'", "the file is empty"]),
+    "nothing left": ([{"prompt": "q", "response": ""}] * 3, [], ["no example left after filtering"]),
+    "unknown role": (
+        [{"messages": CONVERSATION}, {"messages": [{"role": "robot", "content": "hi"}]}],
+        ["data.format=messages"],
+        ["example 1, message 0: unknown role 'robot'"],
+    ),
+    "hub id offline": (
+        None,
+        ["data.path=nobody/no_such_dataset"],
+        ["nobody/no_such_dataset", "from the hub"],
+    ),
+}
+SFT = [sys.executable, "-m", "dtrain.sft", "parallel.tp=1", "train.max_steps=2"]
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def cli(tmp_path, records, overrides, nproc: int = 1) -> tuple[int, str]:
+    path = DATASET if records is None else tmp_path / "d.jsonl"
+    if records is not None:
+        path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in records))
+    if not any(o.startswith("data.path=") for o in overrides):
+        overrides = [f"data.path={path}", *overrides]
+    env = {**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")}
+    args = [*overrides, f"hydra.run.dir={tmp_path}/run"]
+    if nproc == 1:
+        result = run([*SFT, *args], timeout=180, env=env)
+    else:
+        result = torchrun(nproc, *SFT[1:], *args, timeout=180, env=env)
+    return result.returncode, result.stdout
+
+
+@pytest.mark.parametrize("case,nproc", [(case, 1) for case in BAD_INPUT] + [("malformed JSON", 2)])
+def test_bad_input_fails_through_the_cli_with_its_message(tmp_path, case, nproc):
+    """With 2 processes the error found while rank 0 prepares the data reaches the other rank too:
+    both exit with it instead of one waiting in a barrier."""
+    records, overrides, words = BAD_INPUT[case]
+    returncode, output = cli(tmp_path, records, overrides, nproc)
+    assert returncode != 0 if nproc > 1 else returncode == 2, output[-3000:]
+    for word in words:
+        assert word in output, output[-3000:]
+    assert not re.search(r'File "[^"]*/dtrain/[^"]*", line', output), output[-3000:]
+
+
+def test_empty_and_truncated_responses_are_dropped_counted_and_packed_training_evaluates(tmp_path):
+    records = RECORDS * 2 + [{"prompt": "q", "response": ""}, {"prompt": "x " * 40, "response": "y"}]
+    overrides = ["data.packing=true", "data.eval_fraction=0.1", "train.eval_every=1"]
+    overrides += ["train.global_batch_size=4", "train.micro_batch_size=2"]
+    returncode, output = cli(tmp_path, records, overrides)
+    assert returncode == 0, output[-3000:]
+    assert f"dropped 1 {EMPTY}, 1 {NO_TARGET}" in output, output[-3000:]
+    assert "(packed), efficiency" in output
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "loss" in line]
+    evals = [line for line in lines if "eval_loss" in line]
+    assert [line["step"] for line in evals] == [1, 2]
+    assert all(math.isfinite(line["loss"]) and line["tokens"] > 0 for line in steps)
+    assert all(0.0 <= line["padding_fraction"] < 1.0 for line in steps)
+    assert all(math.isfinite(line["eval_loss"]) for line in evals)
+    assert torch.tensor([line["eval_tokens"] for line in evals]).unique().numel() == 1
