@@ -11,12 +11,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 PRECISIONS = ("bf16", "fp32")
 ACTIVATION_CHECKPOINTING = ("none", "full")
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 WANDB_MODES = ("online", "offline", "disabled")
+ESTIMATE_FORMATS = ("table", "json")
 DATA_FORMATS = ("prompt_response",)
 EXPORT_DTYPES = ("bf16", "fp32")
 
@@ -119,6 +120,24 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
+@dataclass
+class EstimateConfig:
+    """`python -m dtrain.estimate` only (dtrain.sft rejects these keys)."""
+
+    world_size: int = MISSING  # the ranks to plan for; required, nothing sensible to guess
+    gpu_memory_gib: float = 80.0  # per GPU, what the verdict and the suggestions compare the peak with
+    format: str = "table"  # table | json
+    suggestions: bool = True  # when it does not fit: estimate more tp, checkpointing, smaller micro batches
+    top_modules: int = 5
+
+
+@dataclass
+class PlanConfig(Config):
+    """The estimator's schema: a training config plus the `estimate` group."""
+
+    estimate: EstimateConfig = field(default_factory=EstimateConfig)
+
+
 @dataclass(frozen=True)
 class MeshShape:
     dp_replicate: int
@@ -175,8 +194,9 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> MeshShape:
     return MeshShape(parallel.dp_replicate, dp_shard, parallel.tp)
 
 
-def check_config(config: Config, world_size: int, model_config: Any) -> MeshShape:
-    """Every cross-check that can fail before launch. Returns the resolved mesh shape."""
+def check_config(config: Config, world_size: int, model_config: Any, *, files: bool = True) -> MeshShape:
+    """Every cross-check that can fail before launch. Returns the resolved mesh shape.
+    files=False skips what only a training run reads from disk (data.path): the planner needs none."""
     shape = mesh_shape(config.parallel, world_size)
     train, data, parallel = config.train, config.data, config.parallel
 
@@ -204,7 +224,7 @@ def check_config(config: Config, world_size: int, model_config: Any) -> MeshShap
             f"train.global_batch_size={train.global_batch_size} is not divisible by "
             f"train.micro_batch_size={train.micro_batch_size} × dp={shape.dp} (= {per_step})"
         )
-    if not os.path.isfile(data.path):
+    if files and not os.path.isfile(data.path):
         raise ConfigError(f"data.path={data.path!r}: no such file")
     if data.packing:
         raise ConfigError("data.packing=true: packing is not available yet; use false")
@@ -227,3 +247,12 @@ def check_config(config: Config, world_size: int, model_config: Any) -> MeshShap
         if value % shape.tp:
             raise ConfigError(f"model {key}={value} is not divisible by parallel.tp={shape.tp}")
     return shape
+
+
+def check_estimate(settings: EstimateConfig) -> None:
+    """The `estimate` group's own checks (the rest of the config goes through check_config)."""
+    _positive("estimate.world_size", settings.world_size)
+    _positive("estimate.top_modules", settings.top_modules)
+    _one_of("estimate.format", settings.format, ESTIMATE_FORMATS)
+    if settings.gpu_memory_gib <= 0:
+        raise ConfigError(f"estimate.gpu_memory_gib={settings.gpu_memory_gib}: must be > 0")

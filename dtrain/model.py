@@ -73,9 +73,21 @@ def resolve_model_path(name_or_path: str) -> str:
         ) from error
 
 
-def load_model_config(settings: ModelConfig) -> PretrainedConfig:
-    """The architecture: from name_or_path (if set), with settings.config applied on top."""
+def load_model_config(settings: ModelConfig, offline: bool = False) -> PretrainedConfig:
+    """The architecture: from name_or_path (if set), with settings.config applied on top.
+
+    offline=True (the planner) never downloads: a local name_or_path folder is read as usual, while a
+    hub id contributes nothing and settings.config must then hold the whole architecture (the
+    experiments in conf/ ship it)."""
     overrides = dict(settings.config)
+    if offline and settings.name_or_path and not os.path.isdir(settings.name_or_path):
+        if "model_type" not in overrides:
+            raise ConfigError(
+                f"model.name_or_path={settings.name_or_path!r} is a hub id, which is not downloaded "
+                "offline, and model.config has no model_type: put the architecture in model.config "
+                "(see conf/model/llama3_8b.yaml) or point model.name_or_path at a local folder"
+            )
+        return AutoConfig.for_model(**overrides)
     if settings.name_or_path:
         config = AutoConfig.from_pretrained(resolve_model_path(settings.name_or_path))
         for key, value in overrides.items():

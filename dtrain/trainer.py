@@ -90,18 +90,10 @@ def train(
         dist.all_reduce(tokens, group=dp_group)
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
-            with loss_context(config.parallel.loss_parallel):
-                logits = model(
-                    input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False
-                ).logits
-                loss = summed_cross_entropy(logits, mb["labels"])
-                (loss / tokens).backward()
-            loss_sum += loss.detach()
-        grad_norm = clip_grad_norm(params, config.optim.max_grad_norm)
+            loss_sum += micro_step(model, mb, tokens, config.parallel.loss_parallel)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
+        grad_norm = optimizer_step(optimizer, params, config.optim.max_grad_norm)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         tokens_seen += tokens
 
         interval_tokens += config.train.global_batch_size * config.data.max_len
@@ -140,6 +132,28 @@ def train(
     for sink in sinks:
         sink.close()
     return RunResult(history, model, optimizer)
+
+
+def micro_step(
+    model: torch.nn.Module, micro_batch: dict[str, torch.Tensor], tokens: torch.Tensor, loss_parallel: bool
+) -> torch.Tensor:
+    """Forward, loss and backward of one micro-batch; returns its summed loss, detached. A function of
+    its own so the logits die with it, and so dtrain.estimate measures exactly this step."""
+    with loss_context(loss_parallel):
+        logits = model(
+            input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
+        ).logits
+        loss = summed_cross_entropy(logits, micro_batch["labels"])
+        (loss / tokens).backward()
+    return loss.detach()
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, params: list, max_grad_norm: float) -> torch.Tensor:
+    """Clip, step, drop the gradients. Returns the norm before clipping."""
+    grad_norm = clip_grad_norm(params, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def log_summary(model: torch.nn.Module, parallel: Parallel, config: Config, num_params: int, n: int) -> None:
