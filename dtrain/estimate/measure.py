@@ -100,8 +100,10 @@ def track_step(
     tokens: torch.Tensor,
     loss_parallel: bool,
     max_grad_norm: float,
+    run: int | None = None,
 ) -> StepMemory:
-    """Run one optimizer step (all `micro_batches`, then clip and AdamW) under the tracker."""
+    """Run one optimizer step (the first `run` of `micro_batches`, default all; then clip and
+    AdamW) under the tracker. All of `micro_batches` count as inputs: the trainer holds them all."""
     params = list(model.parameters())
     tracker = FSDPMemTracker(model, optimizer)
     tracker.track_inputs(tuple(micro_batches))
@@ -110,7 +112,7 @@ def track_step(
     modules: dict[str, ModulePeak] = {}
     try:
         with tracker:
-            for index, micro_batch in enumerate(micro_batches):
+            for index, micro_batch in enumerate(micro_batches[:run]):
                 if index:  # the tracker follows one forward per module: start its module stats afresh
                     tracker.reset_mod_stats()
                 micro_step(model, micro_batch, tokens, loss_parallel)
@@ -134,7 +136,7 @@ def track_step(
         at_peak=at_peak,
         peak_phase=phase,
         logits=max(logits),
-        micro_batches=len(micro_batches),
+        micro_batches=len(micro_batches[:run]),
         modules=sorted(modules.values(), key=lambda m: -max(m.peak_forward, m.peak_backward)),
     )
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dtrain.config import Config, ConfigError, MeshShape, check_config
@@ -66,6 +67,27 @@ def _quiet_dtensor() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
+@contextlib.contextmanager
+def dtensor_meta_in_own_fake_mode() -> Iterator[None]:
+    """DTensor computes output metadata (loss_parallel's handlers do, on every call) by running the
+    op on fake full-size tensors in the *active* fake mode, or in a fresh one when there is none.
+    In a real run that fresh mode makes FSDPMemTracker skip those tensors; under the planner's fake
+    mode they would be counted as real ones (a full-vocabulary gradient in nll_loss_backward). Run
+    that metadata pass outside the planner's mode, as in a real run."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    original = propagator._propagate_tensor_meta_non_cached
+
+    def outside_planner_mode(op_schema):  # noqa: ANN001, ANN202 (torch's private signature)
+        with unset_fake_temporarily():
+            return original(op_schema)
+
+    propagator._propagate_tensor_meta_non_cached = outside_planner_mode
+    try:
+        yield
+    finally:
+        del propagator._propagate_tensor_meta_non_cached  # back to the class's method
+
+
 def _layer_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     out = {}
     for name, module in (("embedding", model.model.embed_tokens), ("lm_head", model.lm_head)):
@@ -104,15 +126,13 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
         params_census = census(model)
         parallelize(model, parallel, config.parallel, train.precision)
         # The meta parameters become fake ones on to_empty: allow_non_fake_inputs lets that happen.
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), dtensor_meta_in_own_fake_mode():
             model.to_empty(device=CPU)
             reset_rotary_buffers(model, CPU)  # the values do not matter; materialize's other half
             model.train()
             optimizer = build_optimizer(model, config.optim)
             params = list(model.parameters())
-            micro_batches = step_inputs(
-                train.micro_batch_size, config.data.max_len, tracked_micro_batches(accumulation), CPU
-            )
+            micro_batches = step_inputs(train.micro_batch_size, config.data.max_len, accumulation, CPU)
             tokens = torch.tensor(float(train.global_batch_size * config.data.max_len))
             # Warm-up: DTensor's first run of each op, and AdamW's states, before measuring.
             micro_step(model, micro_batches[0], tokens, config.parallel.loss_parallel)
@@ -124,6 +144,7 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
                 tokens,
                 config.parallel.loss_parallel,
                 config.optim.max_grad_norm,
+                run=tracked_micro_batches(accumulation),
             )
             layers = _layer_bytes(model)
     return Plan(
