@@ -21,15 +21,13 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from estimate_scenarios import SCENARIOS  # noqa: E402
+from helpers import sharded_model  # noqa: E402
 
-from dtrain.config import check_config  # noqa: E402
 from dtrain.data import IGNORE, StepBatches, load_examples, load_tokenizer  # noqa: E402
-from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
+from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.estimate.app import compose  # noqa: E402
 from dtrain.estimate.measure import track_step  # noqa: E402
-from dtrain.model import build_meta_model, load_model_config, materialize  # noqa: E402
 from dtrain.optim import build_optimizer  # noqa: E402
-from dtrain.parallel.parallelize import parallelize  # noqa: E402
 from dtrain.trainer import micro_step, optimizer_step  # noqa: E402
 
 
@@ -45,24 +43,21 @@ def storage_bytes(tensors) -> int:
 
 def run(overrides: list[str], device: torch.device) -> dict:
     config = compose(overrides)
-    model_config = load_model_config(config.model, offline=True)
-    shape = check_config(config, dist.get_world_size(), model_config)
-    parallel = build_parallel(shape, device)
-    model = build_meta_model(model_config)
-    parallelize(model, parallel, config.parallel, config.train.precision)
-    materialize(model, device, config.model, config.train.seed)
+    model = sharded_model(config, device)
     model.train()
     optimizer = build_optimizer(model, config.optim)
     params = list(model.parameters())
 
     tokenizer = load_tokenizer(config.model.tokenizer)
     train = config.train
+    mesh = next(model.parameters()).device_mesh
+    dp_mesh = mesh["dp_shard"]
     batches = StepBatches(
         load_examples(config.data, tokenizer),
         global_batch_size=train.global_batch_size,
         micro_batch_size=train.micro_batch_size,
-        dp_rank=parallel.dp_rank,
-        dp_size=parallel.dp_size,
+        dp_rank=dp_mesh.get_local_rank(),
+        dp_size=dp_mesh.size(),
         max_len=config.data.max_len,
         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         seed=train.seed,
@@ -72,7 +67,7 @@ def run(overrides: list[str], device: torch.device) -> dict:
     def step_batches(step: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
         micro_batches = batches.micro_batches(step)
         tokens = sum((mb["labels"] != IGNORE).sum() for mb in micro_batches).float()
-        dist.all_reduce(tokens, group=parallel.dp_mesh.get_group())
+        dist.all_reduce(tokens, group=dp_mesh.get_group())
         return micro_batches, tokens
 
     loss_parallel, max_norm = config.parallel.loss_parallel, config.optim.max_grad_norm
