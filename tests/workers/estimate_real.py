@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from dtrain.optim import build_optimizer  # noqa: E402
 from dtrain.trainer import micro_step, optimizer_step  # noqa: E402
 
 
-def storage_bytes(tensors) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors` (a DTensor counts its local shard)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
