@@ -23,8 +23,11 @@ from dtrain.estimate.report import to_json, to_table
 # Plans are for GPUs: the embedded default's precision is what it would be on CUDA.
 register(PlanConfig, lambda: "bf16")
 
-# Nothing to write: the run folder is the current one, with no .hydra/ and no log files.
+# Nothing to write: run and sweep folders are the current one, with no .hydra/ and no log files
+# (a --multirun sweep still leaves Hydra's multirun.yaml there).
 QUIET_HYDRA = [
+    "hydra.sweep.dir=.",
+    "hydra.sweep.subdir=.",
     "hydra.run.dir=.",
     "hydra.output_subdir=null",
     "hydra/job_logging=none",
