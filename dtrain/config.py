@@ -11,12 +11,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 PRECISIONS = ("bf16", "fp32")
 ACTIVATION_CHECKPOINTING = ("none", "full")
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 WANDB_MODES = ("online", "offline", "disabled")
+ESTIMATE_FORMATS = ("table", "json")
 EXPORT_DTYPES = ("bf16", "fp32")
 DATA_FORMATS = ("prompt_response", "messages", "text")
 OVERLONG = ("truncate", "drop")
@@ -154,6 +155,24 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
+@dataclass
+class EstimateConfig:
+    """`python -m dtrain.estimate` only (dtrain.sft rejects these keys)."""
+
+    world_size: int = MISSING  # the ranks to plan for; required, nothing sensible to guess
+    gpu_memory_gib: float = 80.0  # per GPU, what the verdict and the suggestions compare the peak with
+    format: str = "table"  # table | json
+    suggestions: bool = True  # when it does not fit: estimate more tp, checkpointing, smaller micro batches
+    top_modules: int = 5
+
+
+@dataclass
+class PlanConfig(Config):
+    """The estimator's schema: a training config plus the `estimate` group."""
+
+    estimate: EstimateConfig = field(default_factory=EstimateConfig)
+
+
 @dataclass(frozen=True)
 class MeshShape:
     dp_replicate: int
@@ -217,7 +236,7 @@ def _check_source_path(key: str, path: str) -> None:
         raise ConfigError(f"{key}={path!r}: no such file or folder")
 
 
-def check_data(data: DataConfig, train: TrainConfig) -> None:
+def check_data(data: DataConfig, train: TrainConfig, *, files: bool = True) -> None:
     _one_of("data.overlong", data.overlong, OVERLONG)
     _positive("data.num_proc", data.num_proc)
     if data.num_workers < 0:
@@ -226,14 +245,15 @@ def check_data(data: DataConfig, train: TrainConfig) -> None:
         _positive("data.max_samples", data.max_samples)
     if data.mix:
         for i, source in enumerate(data.mix):
-            _check_source_path(f"data.mix[{i}].path", source.path)
+            if files:
+                _check_source_path(f"data.mix[{i}].path", source.path)
             if not source.weight > 0:
                 raise ConfigError(f"data.mix[{i}].weight={source.weight}: must be > 0")
             if source.format is not None:
                 _one_of(f"data.mix[{i}].format", source.format, DATA_FORMATS)
             if source.max_samples is not None:
                 _positive(f"data.mix[{i}].max_samples", source.max_samples)
-    else:
+    elif files:
         _check_source_path("data.path", data.path)
     if not 0.0 <= data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction={data.eval_fraction}: must be in [0, 1)")
@@ -248,8 +268,9 @@ def check_data(data: DataConfig, train: TrainConfig) -> None:
         )
 
 
-def check_config(config: Config, world_size: int, model_config: Any) -> MeshShape:
-    """Every cross-check that can fail before launch. Returns the resolved mesh shape."""
+def check_config(config: Config, world_size: int, model_config: Any, *, files: bool = True) -> MeshShape:
+    """Every cross-check that can fail before launch. Returns the resolved mesh shape.
+    files=False skips what only a training run reads from disk (data.path): the planner needs none."""
     shape = mesh_shape(config.parallel, world_size)
     train, data, parallel = config.train, config.data, config.parallel
 
@@ -280,7 +301,7 @@ def check_config(config: Config, world_size: int, model_config: Any) -> MeshShap
             f"train.global_batch_size={train.global_batch_size} is not divisible by "
             f"train.micro_batch_size={train.micro_batch_size} × dp={shape.dp} (= {per_step})"
         )
-    check_data(data, train)
+    check_data(data, train, files=files)
     if parallel.sequence_parallel and data.max_len % shape.tp:
         raise ConfigError(
             f"data.max_len={data.max_len} is not divisible by parallel.tp={shape.tp}, "
@@ -300,3 +321,12 @@ def check_config(config: Config, world_size: int, model_config: Any) -> MeshShap
         if value % shape.tp:
             raise ConfigError(f"model {key}={value} is not divisible by parallel.tp={shape.tp}")
     return shape
+
+
+def check_estimate(settings: EstimateConfig) -> None:
+    """The `estimate` group's own checks (the rest of the config goes through check_config)."""
+    _positive("estimate.world_size", settings.world_size)
+    _positive("estimate.top_modules", settings.top_modules)
+    _one_of("estimate.format", settings.format, ESTIMATE_FORMATS)
+    if settings.gpu_memory_gib <= 0:
+        raise ConfigError(f"estimate.gpu_memory_gib={settings.gpu_memory_gib}: must be > 0")

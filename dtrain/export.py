@@ -27,7 +27,14 @@ from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, GenerationConfig, PreTrain
 from dtrain.checkpoint import COMPLETE
 from dtrain.config import Config, ConfigError, MeshShape
 from dtrain.distributed import build_parallel, init_distributed, shutdown
-from dtrain.model import ATTENTION, build_meta_model, hf_state_dict, load_model_config, resolve_model_path
+from dtrain.model import (
+    ATTENTION,
+    PACKED_ROWS,
+    build_meta_model,
+    hf_state_dict,
+    load_model_config,
+    resolve_model_path,
+)
 
 log = logging.getLogger("dtrain")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -60,12 +67,13 @@ def export_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, d
 
 
 def _drop_attention_override(config_json: Path) -> None:
-    """dtrain's sharded attention is registered only inside dtrain: exported models use the default."""
+    """dtrain's attention and packing flag exist only inside dtrain: exported models use the defaults."""
     config = json.loads(config_json.read_text())
+    config.pop(PACKED_ROWS, None)
     if config.get("_attn_implementation") == ATTENTION or config.get("attn_implementation") == ATTENTION:
         config.pop("_attn_implementation", None)
         config.pop("attn_implementation", None)
-        config_json.write_text(json.dumps(config, indent=2) + "\n")
+    config_json.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _generation_config(model: nn.Module) -> GenerationConfig:

@@ -40,7 +40,7 @@ def causal_attention(
     sequence-sharded length, so the mask is never built (see `_no_mask`) and padding is on the right.
     Packed rows restart `position_ids` (full length: HF forwards them to here) at every document:
     then the mask is block-diagonal causal, so no token attends across documents."""
-    mask = document_mask(position_ids)
+    mask = document_mask(position_ids) if getattr(module.config, PACKED_ROWS, False) else None
     out = F.scaled_dot_product_attention(
         query,
         key,
@@ -54,12 +54,10 @@ def causal_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def document_mask(position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """[batch, 1, seq, seq] boolean (True: may attend) for rows with several documents; None when
-    every row is one document (plain causal, the fast path). A dense mask is what sdpa takes on any
-    device; varlen or flex attention on GPU would take the same document ids (issue 8)."""
-    if position_ids is None or not bool((position_ids[:, 1:] == 0).any()):
-        return None
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq] boolean (True: may attend): causal within each document, where a
+    document starts at every position 0. A dense mask is what sdpa takes on any device; varlen or
+    flex attention on GPU would take the same document ids (issue 8)."""
     documents = (position_ids == 0).cumsum(dim=-1)
     same = documents[:, :, None] == documents[:, None, :]
     causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
@@ -90,9 +88,21 @@ def resolve_model_path(name_or_path: str) -> str:
         ) from error
 
 
-def load_model_config(settings: ModelConfig) -> PretrainedConfig:
-    """The architecture: from name_or_path (if set), with settings.config applied on top."""
+def load_model_config(settings: ModelConfig, offline: bool = False) -> PretrainedConfig:
+    """The architecture: from name_or_path (if set), with settings.config applied on top.
+
+    offline=True (the planner) never downloads: a local name_or_path folder is read as usual, while a
+    hub id contributes nothing and settings.config must then hold the whole architecture (the
+    experiments in conf/ ship it)."""
     overrides = dict(settings.config)
+    if offline and settings.name_or_path and not os.path.isdir(settings.name_or_path):
+        if "model_type" not in overrides:
+            raise ConfigError(
+                f"model.name_or_path={settings.name_or_path!r} is a hub id, which is not downloaded "
+                "offline, and model.config has no model_type: put the architecture in model.config "
+                "(see conf/model/llama3_8b.yaml) or point model.name_or_path at a local folder"
+            )
+        return AutoConfig.for_model(**overrides)
     if settings.name_or_path:
         config = AutoConfig.from_pretrained(resolve_model_path(settings.name_or_path))
         for key, value in overrides.items():
@@ -104,9 +114,15 @@ def load_model_config(settings: ModelConfig) -> PretrainedConfig:
     return config
 
 
-def build_meta_model(config: PretrainedConfig) -> nn.Module:
+PACKED_ROWS = "dtrain_packed_rows"  # a config attribute: rows may hold several documents
+
+
+def build_meta_model(config: PretrainedConfig, packed: bool = False) -> nn.Module:
+    """The model on the meta device. `packed` (data.packing) turns on the document mask: a setting,
+    not a test of each batch, so no step waits on the device to decide it."""
     config._attn_implementation = ATTENTION
     config.use_cache = False
+    setattr(config, PACKED_ROWS, packed)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, dtype=torch.float32)
     return model

@@ -101,9 +101,13 @@ class StepGuard:
             raise RankFailure(f"step {step + 1}: {next(m for m in messages if m)}")
         return result
 
-    def poison(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        """The tests' poisoned batch."""
-        return loss * math.nan if os.environ.get(NAN_AT_STEP_ENV) == str(step) else loss
+    def poison(self, step: int, model: nn.Module) -> None:
+        """The tests' poisoned batch: a NaN in the last parameter's gradient on every rank."""
+        if os.environ.get(NAN_AT_STEP_ENV) == str(step):
+            last = list(model.parameters())[-1]
+            if last.grad is not None:
+                grad = last.grad.to_local() if isinstance(last.grad, DTensor) else last.grad
+                grad.view(-1)[0] = math.nan
 
     def should_skip(self, step: int, grad_norm: torch.Tensor, model: nn.Module) -> bool:
         """True when this step's gradients are not finite and the step must not be applied.

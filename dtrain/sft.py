@@ -8,58 +8,24 @@ exists, so a bad value fails on every rank at once with one message and exit cod
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import hydra
 import torch
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from dtrain.checkpoint import CheckpointError, checkpoint_dir, find_resume_path, other_run_in
+from dtrain.cli import fail, register
 from dtrain.config import Config, ConfigError, check_config, to_config, world_size_from_env
 from dtrain.distributed import init_distributed, rank_from_env, shutdown
 from dtrain.model import load_model_config
 from dtrain.reliability import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted, RankFailure
 
-ASSETS = Path(__file__).parent / "assets"
-EXIT_CONFIG_ERROR = 2
-
-
-def run_id() -> str:
-    """An id every rank computes alike without talking to the others."""
-    if os.environ.get("DTRAIN_RUN_ID"):
-        return os.environ["DTRAIN_RUN_ID"]
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm-{os.environ['SLURM_JOB_ID']}"
-    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
-    if elastic == "none":  # torchrun --rdzv-endpoint without --rdzv-id
-        raise ConfigError(
-            "the ranks share no run id: pass --rdzv-id to torchrun, set DTRAIN_RUN_ID, or set hydra.run.dir"
-        )
-    if elastic:
-        return f"torchrun-{elastic}"
-    return time.strftime("%Y%m%d-%H%M%S")
-
-
-ConfigStore.instance().store(name="dtrain_schema", node=Config)
-OmegaConf.register_new_resolver("dtrain_run_id", run_id, use_cache=True)
-OmegaConf.register_new_resolver("dtrain_asset", lambda name: str(ASSETS / name))
 # bf16 where it is fast (CUDA); fp32 on CPU, where bf16 is slow and the tests need exact numerics.
-OmegaConf.register_new_resolver(
-    "dtrain_default_precision", lambda: "bf16" if torch.cuda.is_available() else "fp32"
-)
-
-
-def fail(message: str, code: int = EXIT_CONFIG_ERROR) -> None:
-    """One message per node (not one per rank), then the same exit code on every rank."""
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        print(f"dtrain: {'error: ' if code != EXIT_PREEMPTED else ''}{message}", file=sys.stderr, flush=True)
-    sys.exit(code)
+register(Config, lambda: "bf16" if torch.cuda.is_available() else "fp32")
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
@@ -94,7 +60,7 @@ def hydra_main(cfg: DictConfig) -> None:
     except (ConfigError, CheckpointError, RankFailure) as error:  # raised alike on every rank
         fail(str(error))
     except Preempted as preempted:
-        fail(str(preempted), EXIT_PREEMPTED)
+        fail(str(preempted), EXIT_PREEMPTED, prefix="")
     except NonFiniteError as error:
         fail(str(error), EXIT_NONFINITE)
 

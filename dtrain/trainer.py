@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,7 @@ def train(
     parallel = build_parallel(shape, device)
     torch.manual_seed(config.train.seed)
 
-    model = build_meta_model(model_config)
+    model = build_meta_model(model_config, packed=config.data.packing)
     parallelize(model, parallel, config.parallel, config.train.precision)
     materialize(model, device, config.model, config.train.seed)
     model.train()
@@ -89,21 +91,18 @@ def train(
         tokens, filled = counts[0], counts[1]
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
-            with loss_context(config.parallel.loss_parallel):
-                logits = model(
-                    input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False
-                ).logits
-                loss = guard.poison(step + 1, summed_cross_entropy(logits, mb["labels"]))
-                (loss / tokens).backward()
-            loss_sum += loss.detach()
-        grad_norm = clip_grad_norm(params, config.optim.max_grad_norm)
+            loss_sum += micro_step(model, mb, tokens, config.parallel.loss_parallel)
+        guard.poison(step + 1, model)
         lr = scheduler.get_last_lr()[0]
-        skipped = guard.should_skip(step + 1, grad_norm, model)
+        grad_norm, skipped = optimizer_step(
+            optimizer,
+            params,
+            config.optim.max_grad_norm,
+            functools.partial(guard.should_skip, step + 1, model=model),
+        )
         if not skipped:  # never an optimizer step on non-finite gradients
-            optimizer.step()
             scheduler.step()
             tokens_seen += tokens
-        optimizer.zero_grad(set_to_none=True)
 
         interval_tokens += config.train.global_batch_size * config.data.max_len
         done = step + 1
@@ -172,6 +171,36 @@ def evaluate(
     dist.all_reduce(totals, group=dp_group)
     model.train()
     return {"eval_loss": (totals[0] / totals[1]).item(), "eval_tokens": int(totals[1].item())}
+
+
+def micro_step(
+    model: torch.nn.Module, micro_batch: dict[str, torch.Tensor], tokens: torch.Tensor, loss_parallel: bool
+) -> torch.Tensor:
+    """Forward, loss and backward of one micro-batch; returns its summed loss, detached. A function of
+    its own so the logits die with it, and so dtrain.estimate measures exactly this step."""
+    with loss_context(loss_parallel):
+        logits = model(
+            input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
+        ).logits
+        loss = summed_cross_entropy(logits, micro_batch["labels"])
+        (loss / tokens).backward()
+    return loss.detach()
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    params: list,
+    max_grad_norm: float,
+    should_skip: Callable[[torch.Tensor], bool] = lambda grad_norm: False,
+) -> tuple[torch.Tensor, bool]:
+    """Clip, step (unless should_skip(norm)), drop the gradients. Returns the norm before
+    clipping and whether the step was skipped."""
+    grad_norm = clip_grad_norm(params, max_grad_norm)
+    skipped = should_skip(grad_norm)
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped
 
 
 def log_summary(model: torch.nn.Module, parallel: Parallel, config: Config, num_params: int, n: int) -> None:

@@ -86,7 +86,7 @@ def sharded_model(config: Config, device: torch.device) -> torch.nn.Module:
 
     model_config = load_model_config(config.model)
     shape = check_config(config, torch.distributed.get_world_size(), model_config)
-    model = build_meta_model(model_config)
+    model = build_meta_model(model_config, packed=config.data.packing)
     parallelize(model, build_parallel(shape, device), config.parallel, config.train.precision)
     materialize(model, device, config.model, seed=config.train.seed)
     return model

@@ -158,7 +158,7 @@ def main() -> None:
     model_config = load_model_config(config.model)
     shape = check_config(config, dist.get_world_size(), model_config)
     parallel = build_parallel(shape, device)
-    model = build_meta_model(model_config)
+    model = build_meta_model(model_config, packed=True)
     parallelize(model, parallel, config.parallel, "fp32")
     materialize(model, device, config.model, seed=0)
 

@@ -1,0 +1,122 @@
+"""The planner against a real GPU: planned peak / torch.cuda.max_memory_allocated for one step of a
+~1B Llama (Llama-3.2-1B's shape, random weights) on one GPU. Not run in CI.
+
+    python bench/gpu_estimate_check.py                   # plan on the CPU, then run on cuda:0
+    python bench/gpu_estimate_check.py --plan-only       # the planning half only (any machine)
+
+Both halves run the trainer's own step (tests/test_estimate.py checks the same against gloo on
+CPU): a warm-up step, then a measured step of the same micro-batches. The CUDA figure is the
+allocator's peak of allocated bytes over the measured step (its blocks round up to 512 B, and it
+sees cuBLAS/SDPA workspaces the tracker cannot); a ratio near 1 means the plan holds on GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dtrain.config import PlanConfig, check_config  # noqa: E402
+from dtrain.distributed import build_parallel, init_distributed, shutdown  # noqa: E402
+from dtrain.estimate.app import compose  # noqa: E402
+from dtrain.estimate.measure import step_inputs, track_step, tracked_micro_batches  # noqa: E402
+from dtrain.estimate.planner import plan  # noqa: E402
+from dtrain.model import build_meta_model, load_model_config, materialize  # noqa: E402
+from dtrain.optim import build_optimizer  # noqa: E402
+from dtrain.parallel.parallelize import parallelize  # noqa: E402
+from dtrain.trainer import micro_step, optimizer_step  # noqa: E402
+
+GIB = 2**30
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    return [
+        "model=llama3_2_1b",
+        "model.init=random",  # no weights to download; values do not change memory
+        f"model.config.num_hidden_layers={args.layers}",
+        "parallel.tp=1",
+        f"parallel.activation_checkpointing={args.checkpointing}",
+        f"data.max_len={args.max_len}",
+        f"train.micro_batch_size={args.micro_batch_size}",
+        f"train.global_batch_size={2 * args.micro_batch_size}",  # two micro-batches: accumulation
+        "train.precision=bf16",
+        "estimate.world_size=1",
+    ]
+
+
+def real_step_peak(config: PlanConfig) -> tuple[int, int]:
+    """(CUDA peak allocated, tracker peak) of one step on cuda:0 after a warm-up step."""
+    device = init_distributed(config.parallel.timeout_s)
+    try:
+        model_config = load_model_config(config.model, offline=True)
+        shape = check_config(config, 1, model_config, files=False)
+        model = build_meta_model(model_config)
+        parallelize(model, build_parallel(shape, device), config.parallel, config.train.precision)
+        materialize(model, device, config.model, config.train.seed)
+        model.train()
+        optimizer = build_optimizer(model, config.optim)
+        params = list(model.parameters())
+        train, max_norm = config.train, config.optim.max_grad_norm
+        accumulation = train.global_batch_size // train.micro_batch_size
+        micro_batches = step_inputs(train.micro_batch_size, config.data.max_len, accumulation, device)
+        tokens = torch.tensor(float(train.global_batch_size * config.data.max_len), device=device)
+
+        def step() -> None:
+            for micro_batch in micro_batches[: tracked_micro_batches(accumulation)]:
+                micro_step(model, micro_batch, tokens, config.parallel.loss_parallel)
+            optimizer_step(optimizer, params, max_norm)
+
+        step()  # warm-up: AdamW's states, cuBLAS handles
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        cuda_peak = torch.cuda.max_memory_allocated()
+        tracked = track_step(
+            model,
+            optimizer,
+            micro_batches,
+            tokens,
+            config.parallel.loss_parallel,
+            max_norm,
+            run=tracked_micro_batches(accumulation),
+        )
+        return cuda_peak, tracked.peak
+    finally:
+        shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan-only", action="store_true", help="skip the GPU run")
+    parser.add_argument("--layers", type=int, default=16, help="decoder layers (Llama-3.2-1B: 16)")
+    parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--checkpointing", choices=("none", "full"), default="full")
+    args = parser.parse_args()
+
+    config = compose(overrides(args))
+    planned = plan(config, world_size=1)
+    print(
+        f"Llama-3.2-1B shape, {planned.num_params / 1e9:.2f} B parameters, {args.layers} layers, micro batch "
+        f"{args.micro_batch_size} × {args.max_len}, bf16, checkpointing {args.checkpointing}: "
+        f"planned peak {planned.step.peak / GIB:.3f} GiB ({planned.step.peak_phase}; {planned.seconds:.0f} s)"
+    )
+    if args.plan_only:
+        return
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --plan-only, or on a GPU machine")
+    cuda_peak, tracker_peak = real_step_peak(config)
+    print(
+        f"cuda max_memory_allocated {cuda_peak / GIB:.3f} GiB | "
+        f"tracker on the real run {tracker_peak / GIB:.3f} GiB"
+    )
+    print(f"ratio planned / cuda: {planned.step.peak / cuda_peak:.3f}")
+
+
+if __name__ == "__main__":
+    main()

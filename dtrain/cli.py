@@ -1,0 +1,53 @@
+"""What the Hydra entry points (dtrain.sft, dtrain.estimate) share: the schema registered as
+`dtrain_schema` (which conf/config.yaml names), the resolvers conf/ uses, and how a bad config ends.
+
+Each entry point registers its own schema: dtrain.sft the training `Config`, dtrain.estimate
+`PlanConfig` (the same plus the `estimate` group), so each rejects the other's keys.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from dtrain.config import Config, ConfigError
+
+ASSETS = Path(__file__).parent / "assets"
+EXIT_CONFIG_ERROR = 2
+
+
+def run_id() -> str:
+    """An id every rank computes alike without talking to the others."""
+    if os.environ.get("DTRAIN_RUN_ID"):
+        return os.environ["DTRAIN_RUN_ID"]
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if elastic == "none":  # torchrun --rdzv-endpoint without --rdzv-id
+        raise ConfigError(
+            "the ranks share no run id: pass --rdzv-id to torchrun, set DTRAIN_RUN_ID, or set hydra.run.dir"
+        )
+    if elastic:
+        return f"torchrun-{elastic}"
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def register(schema: type[Config], default_precision: Callable[[], str]) -> None:
+    """Store `schema` as dtrain_schema and register the resolvers (replacing an earlier entry point's)."""
+    ConfigStore.instance().store(name="dtrain_schema", node=schema)
+    OmegaConf.register_new_resolver("dtrain_run_id", run_id, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("dtrain_asset", lambda name: str(ASSETS / name), replace=True)
+    OmegaConf.register_new_resolver("dtrain_default_precision", default_precision, replace=True)
+
+
+def fail(message: str, code: int = EXIT_CONFIG_ERROR, prefix: str = "error: ") -> None:
+    """One message per node (not one per rank), then the same exit code on every rank."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print(f"dtrain: {prefix}{message}", file=sys.stderr, flush=True)
+    sys.exit(code)

@@ -1,0 +1,3 @@
+from dtrain.estimate.app import main
+
+main()

@@ -1,0 +1,81 @@
+"""`python -m dtrain.estimate [+experiment=NAME] estimate.world_size=N [key=value ...]`.
+
+The same Hydra composition as dtrain.sft (conf/, experiments, overrides), plus the `estimate`
+group; it writes nothing (no run folder, no Hydra log) and prints the plan on stdout. `compose`
+gives scripts and tests the same config without the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from dtrain.cli import fail, register
+from dtrain.config import ConfigError, PlanConfig, check_estimate
+from dtrain.estimate.planner import plan, suggest
+from dtrain.estimate.report import to_json, to_table
+
+# Plans are for GPUs: the embedded default's precision is what it would be on CUDA.
+register(PlanConfig, lambda: "bf16")
+
+# Nothing to write: run and sweep folders are the current one, with no .hydra/ and no log files
+# (a --multirun sweep still leaves Hydra's multirun.yaml there).
+QUIET_HYDRA = [
+    "hydra.sweep.dir=.",
+    "hydra.sweep.subdir=.",
+    "hydra.run.dir=.",
+    "hydra.output_subdir=null",
+    "hydra/job_logging=none",
+    "hydra/hydra_logging=none",
+]
+
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def compose(overrides: list[str]) -> PlanConfig:
+    """The config `python -m dtrain.estimate OVERRIDES` plans, checked the same way."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return to_plan_config(hydra_compose(config_name="config", overrides=overrides))
+
+
+def to_plan_config(cfg: DictConfig) -> PlanConfig:
+    try:
+        config = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as error:  # estimate.world_size has no default
+        raise ConfigError(f"{error.full_key}: required (e.g. {error.full_key}=8)") from error
+    assert isinstance(config, PlanConfig), type(config)
+    check_estimate(config.estimate)
+    return config
+
+
+@hydra.main(version_base=None, config_path=str(CONF), config_name="config")
+def hydra_main(cfg: DictConfig) -> None:
+    try:
+        config = to_plan_config(cfg)
+        settings = config.estimate
+        result = plan(config, settings.world_size)
+        budget = round(settings.gpu_memory_gib * 2**30)
+        fits = result.step.peak <= budget
+        suggestions = [] if fits or not settings.suggestions else suggest(config, settings.world_size, budget)
+    except ConfigError as error:
+        fail(str(error))
+    if settings.format == "json":
+        print(
+            json.dumps(to_json(result, settings.gpu_memory_gib, suggestions, settings.top_modules), indent=1)
+        )
+    else:
+        print(to_table(result, settings.gpu_memory_gib, suggestions, settings.top_modules))
+
+
+def main() -> None:
+    sys.argv += QUIET_HYDRA
+    hydra_main()

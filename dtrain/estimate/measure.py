@@ -1,0 +1,187 @@
+"""One training step under torch's `FSDPMemTracker`: the same measurement for a fake run (the
+planner) and a real one (the tests, the GPU check), so the two can be compared number for number.
+
+The step is the trainer's own (`micro_step` per micro-batch, then `optimizer_step`). The caller runs
+one warm-up step first, outside the tracker: DTensor's first run of each op (sharding propagation,
+its caches) would otherwise show as a false spike, and the first step has no optimizer state yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState, _FSDPRefType
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from dtrain.model import canonical_name
+from dtrain.trainer import micro_step, optimizer_step
+
+_R, _S = _FSDPRefType, _FSDPModState  # the tracker's categories and module states
+TOTAL = "Total"
+
+# How the report groups the tracker's categories at the peak (every category in exactly one group).
+PEAK_GROUPS = {
+    "params": (_R.SHARDED_PARAM, _R.BUFFER),
+    "grads": (_R.SHARDED_GRAD,),
+    "optimizer": (_R.OPT,),  # foreach AdamW's temporaries count here when the peak is in the step
+    "unsharded_params": (_R.UNSHARDED_PARAM, _R.ALL_GATHER),
+    "activations": (_R.ACT, _R.INP),
+    "temporaries": (_R.TEMP, _R.UNSHARDED_GRAD, _R.REDUCE_SCATTER),
+}
+
+
+@dataclass
+class ModulePeak:
+    """One FSDP module's figures over the tracked step (max over its micro-batches)."""
+
+    name: str
+    peak_forward: int = 0  # the most memory in use while its forward ran
+    peak_backward: int = 0
+    activations: int = 0  # activation bytes its forward left behind (saved for backward)
+
+
+@dataclass
+class StepMemory:
+    """Per-rank bytes of one steady-state optimizer step."""
+
+    params: int  # sharded parameters and buffers, as held between steps
+    grads: int  # sharded gradients at the end of the last backward
+    optimizer: int  # AdamW state after the step (exp_avg, exp_avg_sq, step)
+    peak: int
+    at_peak: dict[str, int]  # PEAK_GROUPS at the moment of the peak; sums to `peak`
+    peak_phase: str  # where the peak happened: optimizer step, loss, or a module's forward / backward
+    logits: int  # lm_head's output (this rank's shard), part of the activations
+    micro_batches: int
+    modules: list[ModulePeak] = field(default_factory=list)
+
+
+class _ModuleStats(WeakIdKeyDictionary):
+    """The tracker's per-module stats, with a values() that does not dereference every key: the
+    tracker calls values() on every op, and torch's weak reference calls hasattr on each module (a
+    miss through nn.Module and checkpoint_wrapper __getattr__), a quarter of a Llama-3-8B plan.
+    Modules outlive the step, so holding the values strongly changes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._values: dict[int, object] = {}
+
+    def __setitem__(self, key: object, value: object) -> None:
+        super().__setitem__(key, value)
+        self._values[id(key)] = value
+
+    def __delitem__(self, key: object) -> None:
+        super().__delitem__(key)
+        del self._values[id(key)]
+
+    def clear(self) -> None:
+        super().clear()
+        self._values.clear()
+
+    def values(self):  # noqa: ANN201 (the same as the parent's, a view of the values)
+        return self._values.values()
+
+
+def _total(snapshot: dict, key: str) -> int:
+    """Sum over devices (AdamW's `step` counters stay on the CPU when training on CUDA)."""
+    return sum(per_device.get(key, 0) for per_device in snapshot.values())
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().nbytes()
+
+
+def _harvest(tracker: FSDPMemTracker, modules: dict[str, ModulePeak]) -> None:
+    """Fold the tracker's per-module snapshots of one micro-batch into `modules` (max over them)."""
+    for stats in tracker.memory_tracking.values():
+        name = canonical_name(stats.mod_fqn).removeprefix("FSDP")  # fully_shard renames the root class
+        entry = modules.setdefault(name, ModulePeak(name))
+        snaps = stats.snapshots
+        for state, attr in ((_S.PEAK_FW, "peak_forward"), (_S.PEAK_BW, "peak_backward")):
+            for snap in snaps.get(state, []):
+                setattr(entry, attr, max(getattr(entry, attr), _total(snap, TOTAL)))
+        if snaps.get(_S.BEF_PRE_FW) and snaps.get(_S.AFT_POST_FW):
+            kept = _total(snaps[_S.AFT_POST_FW][0], _R.ACT) - _total(snaps[_S.BEF_PRE_FW][0], _R.ACT)
+            entry.activations = max(entry.activations, kept)
+
+
+def _peak_phase(peak: int, peak_before_optimizer: int, modules: list[ModulePeak]) -> str:
+    if peak > peak_before_optimizer:
+        return "optimizer step"
+    # Deepest module whose own forward or backward saw the peak; none: it was in the loss, which runs
+    # after the root's forward and before its backward hooks.
+    for module in sorted(modules, key=lambda m: -m.name.count(".")):
+        for direction, value in (("backward", module.peak_backward), ("forward", module.peak_forward)):
+            if value == peak:
+                return f"{direction} of {module.name}"
+    return "loss (cross-entropy forward or backward, outside the model's modules)"
+
+
+def track_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[dict[str, torch.Tensor]],
+    tokens: torch.Tensor,
+    loss_parallel: bool,
+    max_grad_norm: float,
+    run: int | None = None,
+) -> StepMemory:
+    """Run one optimizer step (the first `run` of `micro_batches`, default all; then clip and
+    AdamW) under the tracker. All of `micro_batches` count as inputs: the trainer holds them all."""
+    params = list(model.parameters())
+    tracker = FSDPMemTracker(model, optimizer)
+    tracker.memory_tracking = _ModuleStats()
+    tracker.track_inputs(tuple(micro_batches))
+    logits: list[int] = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(_local_bytes(out)))
+    modules: dict[str, ModulePeak] = {}
+    try:
+        with tracker:
+            for index, micro_batch in enumerate(micro_batches[:run]):
+                if index:  # the tracker follows one forward per module: start its module stats afresh
+                    tracker.reset_mod_stats()
+                micro_step(model, micro_batch, tokens, loss_parallel)
+                _harvest(tracker, modules)
+            peak_before_optimizer = _total(tracker.get_tracker_snapshot("peak"), TOTAL)
+            grads = _total(tracker.get_tracker_snapshot("current"), _R.SHARDED_GRAD)
+            optimizer_step(optimizer, params, max_grad_norm)
+            current = tracker.get_tracker_snapshot("current")
+    finally:
+        hook.remove()
+    peak_snapshot = tracker.get_tracker_snapshot("peak")
+    peak = _total(peak_snapshot, TOTAL)
+    phase = _peak_phase(peak, peak_before_optimizer, list(modules.values()))
+    at_peak = {group: sum(_total(peak_snapshot, key) for key in keys) for group, keys in PEAK_GROUPS.items()}
+    assert sum(at_peak.values()) == peak, (at_peak, peak)  # no category of the tracker left out
+    return StepMemory(
+        params=_total(current, _R.SHARDED_PARAM) + _total(current, _R.BUFFER),
+        grads=grads,
+        optimizer=_total(current, _R.OPT),
+        peak=peak,
+        at_peak=at_peak,
+        peak_phase=phase,
+        logits=max(logits),
+        micro_batches=len(micro_batches[:run]),
+        modules=sorted(modules.values(), key=lambda m: -max(m.peak_forward, m.peak_backward)),
+    )
+
+
+def step_inputs(
+    micro_batch_size: int, max_len: int, count: int, device: torch.device
+) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches with data.collate's shapes and dtypes; the values do not change the memory."""
+    ids = torch.zeros((micro_batch_size, max_len), dtype=torch.long, device=device)
+    positions = torch.arange(max_len, device=device).expand(micro_batch_size, -1).contiguous()
+    return [
+        {"input_ids": ids.clone(), "labels": ids.clone(), "position_ids": positions.clone()}
+        for _ in range(count)
+    ]
+
+
+def tracked_micro_batches(accumulation: int) -> int:
+    """Two micro-batches stand for any longer accumulation: from the second on, each holds the same
+    (the sharded gradients of the earlier ones, plus its own activations), so memory repeats."""
+    return min(accumulation, 2)

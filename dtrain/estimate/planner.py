@@ -1,0 +1,216 @@
+"""Plan one experiment: the trainer's own model, parallelize and step, run on fake tensors with a
+fake process group of `world_size` ranks, measured by torch's FSDPMemTracker. No figure of dtrain's
+comes from a formula here; only the DeepSpeed comparison (deepspeed.py) is analytic."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from dtrain.config import Config, ConfigError, MeshShape, check_config
+from dtrain.distributed import build_parallel
+from dtrain.estimate.deepspeed import ParamCensus, census
+from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked_micro_batches
+from dtrain.model import build_meta_model, load_model_config, reset_rotary_buffers
+from dtrain.optim import build_optimizer
+from dtrain.parallel.parallelize import parallelize
+from dtrain.trainer import micro_step, optimizer_step
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Plan:
+    """Per-rank bytes of one experiment on one mesh (rank 0 stands for all: shards are even)."""
+
+    model_type: str
+    num_params: int
+    shape: MeshShape
+    micro_batch_size: int
+    max_len: int
+    precision: str
+    activation_checkpointing: str
+    accumulation: int  # micro-batches per optimizer step
+    step: StepMemory
+    layers: dict[str, dict[str, int]]  # embedding / lm_head: bytes on this rank and in all
+    tied: bool  # lm_head.weight is the embedding's
+    census: ParamCensus  # the unsharded parameter counts, for the analytic comparison
+    seconds: float
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """Rank 0 of `world_size` ranks, with collectives that move nothing (torch's fake backend)."""
+    if dist.is_initialized():
+        raise RuntimeError("dtrain.estimate needs a process without a process group (it makes a fake one)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _quiet_dtensor() -> None:
+    """DTensor warns once per op about sequential all-reduces over (dp, tp); they move nothing here."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def dtensor_meta_in_own_fake_mode() -> Iterator[None]:
+    """DTensor computes output metadata (loss_parallel's handlers do, on every call) by running the
+    op on fake full-size tensors in the *active* fake mode, or in a fresh one when there is none.
+    In a real run that fresh mode makes FSDPMemTracker skip those tensors; under the planner's fake
+    mode they would be counted as real ones (a full-vocabulary gradient in nll_loss_backward). Run
+    that metadata pass outside the planner's mode, as in a real run."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    original = propagator._propagate_tensor_meta_non_cached
+
+    def outside_planner_mode(op_schema):  # noqa: ANN001, ANN202 (torch's private signature)
+        with unset_fake_temporarily():
+            return original(op_schema)
+
+    propagator._propagate_tensor_meta_non_cached = outside_planner_mode
+    try:
+        yield
+    finally:
+        del propagator._propagate_tensor_meta_non_cached  # back to the class's method
+
+
+def _layer_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
+    out = {}
+    for name, module in (("embedding", model.model.embed_tokens), ("lm_head", model.lm_head)):
+        weight = module.weight
+        out[name] = {
+            "local": weight.to_local().untyped_storage().nbytes(),
+            "total": weight.numel() * weight.element_size(),
+        }
+    return out
+
+
+def plan(config: Config, world_size: int) -> Plan:
+    """Build, shard and step the experiment on fake tensors; raises ConfigError for configs that
+    cannot run on `world_size` ranks (the same checks as training, minus the data file)."""
+    start = time.perf_counter()
+    _quiet_dtensor()
+    # Fake tensors make many short-lived objects; the cycle collector would cost a third of the run
+    # (the tracker sees frees through weak references, which reference counting alone triggers).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan(config, world_size, start)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _plan(config: Config, world_size: int, start: float) -> Plan:
+    model_config = load_model_config(config.model, offline=True)
+    shape = check_config(config, world_size, model_config, files=False)
+    train = config.train
+    accumulation = train.global_batch_size // (train.micro_batch_size * shape.dp)
+    with fake_process_group(world_size):
+        parallel = build_parallel(shape, CPU)  # the mesh, outside the fake mode (it holds real rank ids)
+        model = build_meta_model(model_config, packed=config.data.packing)
+        params_census = census(model)
+        parallelize(model, parallel, config.parallel, train.precision)
+        # The meta parameters become fake ones on to_empty: allow_non_fake_inputs lets that happen.
+        with FakeTensorMode(allow_non_fake_inputs=True), dtensor_meta_in_own_fake_mode():
+            model.to_empty(device=CPU)
+            reset_rotary_buffers(model, CPU)  # the values do not matter; materialize's other half
+            model.train()
+            optimizer = build_optimizer(model, config.optim)
+            params = list(model.parameters())
+            micro_batches = step_inputs(train.micro_batch_size, config.data.max_len, accumulation, CPU)
+            tokens = torch.tensor(float(train.global_batch_size * config.data.max_len))
+            # Warm-up: DTensor's first run of each op, and AdamW's states, before measuring.
+            micro_step(model, micro_batches[0], tokens, config.parallel.loss_parallel)
+            optimizer_step(optimizer, params, config.optim.max_grad_norm)
+            step = track_step(
+                model,
+                optimizer,
+                micro_batches,
+                tokens,
+                config.parallel.loss_parallel,
+                config.optim.max_grad_norm,
+                run=tracked_micro_batches(accumulation),
+            )
+            layers = _layer_bytes(model)
+    return Plan(
+        model_type=model_config.model_type,
+        num_params=params_census.total,
+        shape=shape,
+        micro_batch_size=train.micro_batch_size,
+        max_len=config.data.max_len,
+        precision=train.precision,
+        activation_checkpointing=config.parallel.activation_checkpointing,
+        accumulation=accumulation,
+        step=step,
+        layers=layers,
+        tied=bool(model_config.tie_word_embeddings),
+        census=params_census,
+        seconds=time.perf_counter() - start,
+    )
+
+
+@dataclass
+class Suggestion:
+    change: str  # the overrides, as on the command line
+    plan: Plan
+    fits: bool
+
+
+def _variant(config: Config, **changes: dict[str, object]) -> Config:
+    variant = copy.deepcopy(config)
+    for group, values in changes.items():
+        for key, value in values.items():
+            setattr(getattr(variant, group), key, value)
+    return variant
+
+
+def suggest(config: Config, world_size: int, budget: int) -> list[Suggestion]:
+    """What would fit in `budget` bytes, each lever on its own and each candidate planned in full:
+    activation checkpointing, smaller micro batches, more tp. Per lever the first candidate that
+    fits is kept, else the last one tried (so the report says how far it gets)."""
+    levers: list[list[tuple[str, Config]]] = []
+    if config.parallel.activation_checkpointing == "none":
+        full = _variant(config, parallel={"activation_checkpointing": "full"})
+        levers.append([("parallel.activation_checkpointing=full", full)])
+    micro, candidates = config.train.micro_batch_size // 2, []
+    while micro >= 1:
+        candidates.append(
+            (f"train.micro_batch_size={micro}", _variant(config, train={"micro_batch_size": micro}))
+        )
+        micro //= 2
+    levers.append(candidates)
+    tp, candidates = config.parallel.tp * 2, []
+    while world_size % tp == 0:
+        candidates.append((f"parallel.tp={tp}", _variant(config, parallel={"tp": tp, "dp_shard": -1})))
+        tp *= 2
+    levers.append(candidates)
+
+    suggestions = []
+    for candidates in levers:
+        last = None
+        for change, variant in candidates:
+            try:
+                candidate = plan(variant, world_size)
+            except ConfigError:  # e.g. tp no longer divides the heads: this lever ends here
+                break
+            last = Suggestion(change, candidate, candidate.step.peak <= budget)
+            if last.fits:
+                break
+        if last is not None:
+            suggestions.append(last)
+    return suggestions

@@ -1,0 +1,109 @@
+"""Launched by tests/test_estimate.py under torchrun (gloo, real tensors): the planner's scenarios
+for real. For each, the trainer's model and optimizer on the real mesh, one warm-up step on real
+data, then one full step (every micro-batch of it) under the same FSDPMemTracker the planner uses.
+
+Rank 0 writes `<out>/<name>.json`: the tracker's figures, and the bytes of the real sharded
+tensors counted from their storages (independent of the tracker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from estimate_scenarios import SCENARIOS  # noqa: E402
+from helpers import sharded_model  # noqa: E402
+
+from dtrain.data import IGNORE, StepBatches, load_examples, load_tokenizer  # noqa: E402
+from dtrain.distributed import init_distributed  # noqa: E402
+from dtrain.estimate.app import compose  # noqa: E402
+from dtrain.estimate.measure import track_step  # noqa: E402
+from dtrain.optim import build_optimizer  # noqa: E402
+from dtrain.trainer import micro_step, optimizer_step  # noqa: E402
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor counts its local shard)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def run(overrides: list[str], device: torch.device) -> dict:
+    config = compose(overrides)
+    model = sharded_model(config, device)
+    model.train()
+    optimizer = build_optimizer(model, config.optim)
+    params = list(model.parameters())
+
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    train = config.train
+    mesh = next(model.parameters()).device_mesh
+    dp_mesh = mesh["dp_shard"]
+    batches = StepBatches(
+        load_examples(config.data, tokenizer),
+        global_batch_size=train.global_batch_size,
+        micro_batch_size=train.micro_batch_size,
+        dp_rank=dp_mesh.get_local_rank(),
+        dp_size=dp_mesh.size(),
+        max_len=config.data.max_len,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        seed=train.seed,
+        shuffle=config.data.shuffle,
+    )
+
+    def step_batches(step: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+        micro_batches = batches.micro_batches(step)
+        tokens = sum((mb["labels"] != IGNORE).sum() for mb in micro_batches).float()
+        dist.all_reduce(tokens, group=dp_mesh.get_group())
+        return micro_batches, tokens
+
+    loss_parallel, max_norm = config.parallel.loss_parallel, config.optim.max_grad_norm
+    micro_batches, tokens = step_batches(0)  # warm-up, as the planner does
+    for mb in micro_batches:
+        micro_step(model, mb, tokens, loss_parallel)
+    optimizer_step(optimizer, params, max_norm)
+    micro_batches, tokens = step_batches(1)
+    tracked = track_step(model, optimizer, micro_batches, tokens, loss_parallel, max_norm)
+
+    micro_step(model, micro_batches[0], tokens, loss_parallel)  # gradients to count
+    real = {
+        "params": storage_bytes([*model.parameters(), *model.buffers()]),
+        "grads": storage_bytes(p.grad for p in params),
+        "optimizer": storage_bytes(
+            value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+        ),
+    }
+    step = asdict(tracked)
+    step.pop("modules")
+    return {"real": real, "tracked": step, "accumulation": len(micro_batches)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    device = init_distributed(timeout_s=300)
+    for name, overrides in SCENARIOS.items():
+        result = run(overrides, device)
+        if dist.get_rank() == 0:
+            (args.out / f"{name}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
