@@ -20,6 +20,7 @@ from dtrain.config import Config, ConfigError
 
 ASSETS = Path(__file__).parent / "assets"
 EXIT_CONFIG_ERROR = 2
+FAIL_GRACE_S = 5.0
 
 
 def run_id() -> str:
@@ -47,7 +48,11 @@ def register(schema: type[Config], default_precision: Callable[[], str]) -> None
 
 
 def fail(message: str, code: int = EXIT_CONFIG_ERROR, prefix: str = "error: ") -> None:
-    """One message per node (not one per rank), then the same exit code on every rank."""
+    """One message per node (not one per rank), then the same exit code on every rank. The other
+    ranks linger a moment: torchrun stops every worker once one exits, and local rank 0 must have
+    printed by then."""
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print(f"dtrain: {prefix}{message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(FAIL_GRACE_S)
     sys.exit(code)

@@ -89,15 +89,14 @@ def test_sigterm_saves_a_checkpoint_exits_and_resumes_exactly(tmp_path, referenc
     assert_same_curve(metrics(tmp_path), reference, first_step=step + 1)
 
 
+def nan_at_step_3(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """A run whose step 3 gets a NaN gradient (on lm_head, the last parameter), checkpointing each step."""
+    args = [*ARGS, "checkpoint.every=1", *extra, f"hydra.run.dir={run_dir}"]
+    return torchrun(2, *args, env={"DTRAIN_TEST_NAN_AT_STEP": "3"})
+
+
 def test_a_nan_step_is_skipped_and_changes_no_weight(tmp_path):
-    result = torchrun(
-        2,
-        *ARGS,
-        "checkpoint.every=1",
-        "checkpoint.keep=10",
-        f"hydra.run.dir={tmp_path}",
-        env={"DTRAIN_TEST_NAN_AT_STEP": "3"},
-    )
+    result = nan_at_step_3(tmp_path, "checkpoint.keep=10")
     assert result.returncode == 0, result.stdout[-3000:]
     records = metrics(tmp_path)
     assert records[2]["step"] == 3 and records[2]["skipped_steps"] == 1
@@ -117,17 +116,10 @@ def test_a_nan_step_is_skipped_and_changes_no_weight(tmp_path):
 
 
 def test_a_nan_step_aborts_when_asked_naming_step_and_tensor(tmp_path):
-    result = torchrun(
-        2,
-        *ARGS,
-        "checkpoint.every=1",
-        "train.nonfinite=abort",
-        f"hydra.run.dir={tmp_path}",
-        env={"DTRAIN_TEST_NAN_AT_STEP": "3"},
-    )
+    result = nan_at_step_3(tmp_path, "train.nonfinite=abort")
     assert result.returncode != 0
     assert "step 3: non-finite gradient norm" in result.stdout
-    assert "first non-finite gradient on rank 0: model." in result.stdout
+    assert "first non-finite gradient on rank 0: lm_head.weight" in result.stdout
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert saved == ["step-00000001", "step-00000002"]
 
