@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from estimate_scenarios import SCENARIOS  # noqa: E402
 from helpers import sharded_model  # noqa: E402
 
-from dtrain.data import IGNORE, StepBatches, load_examples, load_tokenizer  # noqa: E402
+from dtrain.data import IGNORE, build_data, load_tokenizer  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.estimate.app import compose  # noqa: E402
 from dtrain.estimate.measure import track_step  # noqa: E402
@@ -53,20 +53,10 @@ def run(overrides: list[str], device: torch.device) -> dict:
     train = config.train
     mesh = next(model.parameters()).device_mesh
     dp_mesh = mesh["dp_shard"]
-    batches = StepBatches(
-        load_examples(config.data, tokenizer),
-        global_batch_size=train.global_batch_size,
-        micro_batch_size=train.micro_batch_size,
-        dp_rank=dp_mesh.get_local_rank(),
-        dp_size=dp_mesh.size(),
-        max_len=config.data.max_len,
-        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        seed=train.seed,
-        shuffle=config.data.shuffle,
-    )
+    batches = build_data(config.data, train, tokenizer, dp_mesh.get_local_rank(), dp_mesh.size()).train
 
     def step_batches(step: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
-        micro_batches = batches.micro_batches(step)
+        micro_batches = batches.next_step()  # steps are taken in order
         tokens = sum((mb["labels"] != IGNORE).sum() for mb in micro_batches).float()
         dist.all_reduce(tokens, group=dp_mesh.get_group())
         return micro_batches, tokens
