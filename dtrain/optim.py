@@ -35,12 +35,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, settings: OptimConfig, max
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The true global norm over both mesh axes; grads are scaled only when max_norm > 0."""
+def global_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """The true global norm over both mesh axes."""
     grads = [p.grad for p in parameters if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, foreach=True)
     if isinstance(total, DTensor):  # a partial norm over (dp, tp): reduce it to the full value
         total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
     return total
+
+
+@torch.no_grad()
+def clip_grads(parameters: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale the gradients to max_norm when their global norm exceeds it; max_norm <= 0: never."""
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)

@@ -21,7 +21,7 @@ from dtrain.export import export_hf
 from dtrain.loss import loss_context, summed_cross_entropy
 from dtrain.metrics import count_parameters, flops_per_token, log, open_sinks, peak_flops, peak_memory_gib
 from dtrain.model import build_meta_model, materialize, resolve_model_path
-from dtrain.optim import build_optimizer, build_scheduler, clip_grad_norm
+from dtrain.optim import build_optimizer, build_scheduler, clip_grads, global_grad_norm
 from dtrain.parallel.parallelize import parallelize
 from dtrain.reliability import Preempted, StepGuard
 
@@ -195,9 +195,10 @@ def optimizer_step(
 ) -> tuple[torch.Tensor, bool]:
     """Clip, step (unless should_skip(norm)), drop the gradients. Returns the norm before
     clipping and whether the step was skipped."""
-    grad_norm = clip_grad_norm(params, max_grad_norm)
-    skipped = should_skip(grad_norm)
+    grad_norm = global_grad_norm(params)
+    skipped = should_skip(grad_norm)  # before clipping, which would spread a NaN to every gradient
     if not skipped:
+        clip_grads(params, max_grad_norm, grad_norm)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, skipped
