@@ -84,7 +84,7 @@ def main() -> None:
 
     pytest = [sys.executable, "-m", "pytest", "-q", "tests/test_fuzz.py", "--hypothesis-show-statistics"]
     fuzz = subprocess.run(pytest, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    tried = sum(int(n) for n in re.findall(r"(\d+) passing examples", fuzz.stdout))
+    tried = sum(int(n) for n in re.findall(r"(\d+) passing", fuzz.stdout))
 
     print(f"\n{'fault injected':52} {'survived':>9} {'steps lost':>11}")
     for name, ok, lost in rows:
