@@ -81,9 +81,19 @@ def find_resume_path(settings: CheckpointConfig, directory: Path) -> Path | None
     return newest_complete(directory)
 
 
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """The complete checkpoints in directory, oldest first."""
+    return sorted(p for p in directory.glob(f"{PREFIX}*") if is_complete(p))
+
+
 def newest_complete(directory: Path) -> Path | None:
-    complete = sorted(p for p in directory.glob(f"{PREFIX}*") if is_complete(p))
+    complete = complete_checkpoints(directory)
     return complete[-1] if complete else None
+
+
+def saved_config(path: Path) -> dict[str, Any]:
+    """The resolved config a complete checkpoint was saved with."""
+    return json.loads((path / COMPLETE).read_text())["config"]
 
 
 # What makes two configs the same run: resuming may change the mesh, the step count or logging.
@@ -113,7 +123,7 @@ def other_run_in(run_dir: Path, directory: Path, resolved: dict[str, Any]) -> st
         )
     newest = newest_complete(directory) if directory.is_dir() else None
     if newest is not None:
-        previous.append((newest, json.loads((newest / COMPLETE).read_text())["config"]))
+        previous.append((newest, saved_config(newest)))
     for source, config in previous:
         theirs = _identity(config)
         for key in RUN_IDENTITY:
@@ -264,7 +274,7 @@ class Checkpointer:
             ) from error
 
     def _prune(self) -> None:
-        complete = sorted(p for p in self.directory.glob(f"{PREFIX}*") if is_complete(p))
+        complete = complete_checkpoints(self.directory)
         for old in complete[: max(0, len(complete) - self.settings.keep)]:
             shutil.rmtree(old)
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, GenerationConfig, PreTrainedTokenizerBase
 
-from dtrain.checkpoint import COMPLETE
+from dtrain.checkpoint import COMPLETE, is_complete, saved_config
 from dtrain.config import Config, ConfigError, MeshShape
 from dtrain.distributed import build_parallel, init_distributed, shutdown
 from dtrain.model import (
@@ -89,9 +89,9 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str) -> None:
     from dtrain.model import reset_rotary_buffers
     from dtrain.parallel.parallelize import parallelize
 
-    if not (checkpoint / COMPLETE).is_file():
+    if not is_complete(checkpoint):
         raise ConfigError(f"{checkpoint}: not a complete dtrain checkpoint (no {COMPLETE})")
-    resolved = json.loads((checkpoint / COMPLETE).read_text())["config"]
+    resolved = saved_config(checkpoint)
     config: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), resolved))
     model_config = load_model_config(config.model)
     device = init_distributed(config.parallel.timeout_s)

@@ -165,8 +165,7 @@ def evaluate(
     for mb in micro_batches:
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         with loss_context(loss_parallel):
-            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
-            totals[0] += summed_cross_entropy(logits, mb["labels"])
+            totals[0] += summed_loss(model, mb)
         totals[1] += (mb["labels"] != IGNORE).sum()
     dist.all_reduce(totals, group=dp_group)
     model.train()
@@ -179,12 +178,17 @@ def micro_step(
     """Forward, loss and backward of one micro-batch; returns its summed loss, detached. A function of
     its own so the logits die with it, and so dtrain.estimate measures exactly this step."""
     with loss_context(loss_parallel):
-        logits = model(
-            input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
-        ).logits
-        loss = summed_cross_entropy(logits, micro_batch["labels"])
+        loss = summed_loss(model, micro_batch)
         (loss / tokens).backward()
     return loss.detach()
+
+
+def summed_loss(model: torch.nn.Module, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Forward one micro-batch (inside loss_context) and sum its token losses."""
+    logits = model(
+        input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
+    ).logits
+    return summed_cross_entropy(logits, micro_batch["labels"])
 
 
 def optimizer_step(

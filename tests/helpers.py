@@ -4,6 +4,7 @@ torchrun launcher that never hangs the suite."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -70,6 +71,11 @@ def parity_config(model_dir: Path | None, dp: int, tp: int) -> Config:
         ),
         checkpoint=CheckpointConfig(resume="none", save_final=False),
     )
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def fixed_batch() -> torch.Tensor:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, fixed_batch, run, save_tiny_llama, torchrun
+from helpers import ROOT, fixed_batch, read_metrics, run, save_tiny_llama, torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dtrain.checkpoint import COMPLETE, find_resume_path
@@ -119,8 +119,8 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_to_resume(tmp_pa
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert "skipping incomplete checkpoint" in resumed.stdout
     assert "resumed from" in resumed.stdout and "step-00000002 at step 2" in resumed.stdout
-    expected = [json.loads(line) for line in (reference_dir / "metrics.jsonl").read_text().splitlines()]
-    records = [json.loads(line) for line in (crashed_dir / "metrics.jsonl").read_text().splitlines()]
+    expected = read_metrics(reference_dir)
+    records = read_metrics(crashed_dir)
     after = {r["step"]: r["loss"] for r in records[-4:]}
     assert sorted(after) == [3, 4, 5, 6]
     for record in expected[2:]:
@@ -130,7 +130,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_to_resume(tmp_pa
     step4 = reference_dir / "checkpoints" / "step-00000004"
     resumed = torchrun(2, *args, f"checkpoint.resume={step4}", f"hydra.run.dir={from_async}", timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    records = [json.loads(line) for line in (from_async / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(from_async)
     assert [r["step"] for r in records] == [5, 6]
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in expected[4:]], rel=1e-6)
 

@@ -3,12 +3,11 @@ README's embedded-default command trains a model whose loss falls."""
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 
 import pytest
-from helpers import ROOT, run, torchrun
+from helpers import ROOT, read_metrics, run, torchrun
 
 SFT = ["-m", "dtrain.sft"]
 
@@ -49,7 +48,7 @@ def test_readme_command_trains_the_embedded_default(tmp_path):
     assert "./launch/local.sh\n" in readme
     result = run(["./launch/local.sh", f"hydra.run.dir={tmp_path}"], timeout=600, env={"NPROC": "4"})
     assert result.returncode == 0, result.stdout[-4000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path)
     for key in (
         "step",
         "loss",

@@ -13,7 +13,7 @@ import datasets
 import pyarrow as pa
 import pytest
 import torch
-from helpers import DATASET, TOKENIZER, parity_config, run, torchrun
+from helpers import DATASET, TOKENIZER, parity_config, read_metrics, run, torchrun
 from transformers import AutoTokenizer
 
 from dtrain.config import ConfigError, DataConfig, MixSource, check_config
@@ -320,7 +320,7 @@ def test_empty_and_truncated_responses_are_dropped_counted_and_packed_training_e
     assert returncode == 0, output[-3000:]
     assert f"dropped 1 {EMPTY}, 1 {NO_TARGET}" in output, output[-3000:]
     assert "(packed), efficiency" in output
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(tmp_path / "run")
     steps = [line for line in lines if "loss" in line]
     evals = [line for line in lines if "eval_loss" in line]
     assert [line["step"] for line in evals] == [1, 2]

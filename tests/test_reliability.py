@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, torchrun
+from helpers import ROOT, read_metrics, torchrun
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dtrain.checkpoint import COMPLETE
@@ -32,16 +32,12 @@ ARGS = [
 ]
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("reference")
     result = torchrun(2, *ARGS, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stdout[-3000:]
-    return metrics(run_dir)
+    return read_metrics(run_dir)
 
 
 def assert_same_curve(records: list[dict], reference: list[dict], first_step: int) -> None:
@@ -61,7 +57,7 @@ def test_a_killed_rank_restarts_and_resumes_the_same_curve(tmp_path, reference):
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert "resumed from" in result.stdout and "step-00000002 at step 2" in result.stdout
-    assert_same_curve(metrics(tmp_path), reference, first_step=3)
+    assert_same_curve(read_metrics(tmp_path), reference, first_step=3)
 
 
 def test_sigterm_saves_a_checkpoint_exits_and_resumes_exactly(tmp_path, reference):
@@ -86,7 +82,7 @@ def test_sigterm_saves_a_checkpoint_exits_and_resumes_exactly(tmp_path, referenc
     resumed = torchrun(2, *ARGS, f"hydra.run.dir={tmp_path}")  # resume=auto in the same folder
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert f"at step {step}" in resumed.stdout
-    assert_same_curve(metrics(tmp_path), reference, first_step=step + 1)
+    assert_same_curve(read_metrics(tmp_path), reference, first_step=step + 1)
 
 
 def nan_at_step_3(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -98,7 +94,7 @@ def nan_at_step_3(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_a_nan_step_is_skipped_and_changes_no_weight(tmp_path):
     result = nan_at_step_3(tmp_path, "checkpoint.keep=10")
     assert result.returncode == 0, result.stdout[-3000:]
-    records = metrics(tmp_path)
+    records = read_metrics(tmp_path)
     assert records[2]["step"] == 3 and records[2]["skipped_steps"] == 1
     assert records[-1]["skipped_steps"] == 1 and all(r["loss"] == r["loss"] for r in records[3:])
     states = {}
@@ -143,7 +139,7 @@ def test_a_folder_of_another_run_is_refused_unless_overwrite(tmp_path):
     assert (
         "is from a run with a different optim" in other.stdout and "checkpoint.overwrite=true" in other.stdout
     )
-    assert len(metrics(tmp_path)) == 2  # untouched
+    assert len(read_metrics(tmp_path)) == 2  # untouched
     again = torchrun(
         2,
         *ARGS,
@@ -153,4 +149,4 @@ def test_a_folder_of_another_run_is_refused_unless_overwrite(tmp_path):
         f"hydra.run.dir={tmp_path}",
     )
     assert again.returncode == 0, again.stdout[-3000:]
-    assert [r["step"] for r in metrics(tmp_path)] == [1, 2] and "resumed from" not in again.stdout
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2] and "resumed from" not in again.stdout
