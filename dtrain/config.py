@@ -88,6 +88,7 @@ class ParallelConfig:
     dp_replicate: int = 1
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    loss_chunk: int = 0  # >0: lm_head + loss this many local positions at a time (less logits memory)
     activation_checkpointing: str = "none"
     timeout_s: int = 600  # collectives give up after this, so a dead rank cannot hang the others
 

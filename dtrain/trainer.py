@@ -18,7 +18,7 @@ from dtrain.config import Config, MeshShape
 from dtrain.data import IGNORE, build_data, load_tokenizer
 from dtrain.distributed import Parallel, build_parallel
 from dtrain.export import export_hf
-from dtrain.loss import loss_context, summed_cross_entropy
+from dtrain.loss import chunked_summed_cross_entropy, head_detached, loss_context, summed_cross_entropy
 from dtrain.metrics import count_parameters, flops_per_token, log, open_sinks, peak_flops, peak_memory_gib
 from dtrain.model import build_meta_model, materialize, resolve_model_path
 from dtrain.optim import build_optimizer, build_scheduler, clip_grads, global_grad_norm
@@ -91,7 +91,9 @@ def train(
         tokens, filled = counts[0], counts[1]
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
-            loss_sum += micro_step(model, mb, tokens, config.parallel.loss_parallel)
+            loss_sum += micro_step(
+                model, mb, tokens, config.parallel.loss_parallel, config.parallel.loss_chunk
+            )
         guard.poison(step + 1, model)
         lr = scheduler.get_last_lr()[0]
         grad_norm, skipped = optimizer_step(
@@ -113,7 +115,14 @@ def train(
             eval_start = time.perf_counter()
             record = {
                 "step": done,
-                **evaluate(model, data.eval, device, config.parallel.loss_parallel, dp_group),
+                **evaluate(
+                    model,
+                    data.eval,
+                    device,
+                    config.parallel.loss_parallel,
+                    dp_group,
+                    config.parallel.loss_chunk,
+                ),
             }
             history.append(record)
             for sink in sinks:
@@ -157,7 +166,12 @@ def train(
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, micro_batches: list, device: torch.device, loss_parallel: bool, dp_group: Any
+    model: torch.nn.Module,
+    micro_batches: list,
+    device: torch.device,
+    loss_parallel: bool,
+    dp_group: Any,
+    loss_chunk: int = 0,
 ) -> dict[str, Any]:
     """eval_loss: the token mean over the whole eval set (every dp rank's share)."""
     model.eval()
@@ -165,7 +179,7 @@ def evaluate(
     for mb in micro_batches:
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         with loss_context(loss_parallel):
-            totals[0] += summed_loss(model, mb)
+            totals[0] += summed_loss(model, mb, loss_chunk)
         totals[1] += (mb["labels"] != IGNORE).sum()
     dist.all_reduce(totals, group=dp_group)
     model.train()
@@ -173,22 +187,33 @@ def evaluate(
 
 
 def micro_step(
-    model: torch.nn.Module, micro_batch: dict[str, torch.Tensor], tokens: torch.Tensor, loss_parallel: bool
+    model: torch.nn.Module,
+    micro_batch: dict[str, torch.Tensor],
+    tokens: torch.Tensor,
+    loss_parallel: bool,
+    loss_chunk: int = 0,
 ) -> torch.Tensor:
     """Forward, loss and backward of one micro-batch; returns its summed loss, detached. A function of
     its own so the logits die with it, and so dtrain.estimate measures exactly this step."""
     with loss_context(loss_parallel):
-        loss = summed_loss(model, micro_batch)
+        loss = summed_loss(model, micro_batch, loss_chunk)
         (loss / tokens).backward()
     return loss.detach()
 
 
-def summed_loss(model: torch.nn.Module, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Forward one micro-batch (inside loss_context) and sum its token losses."""
-    logits = model(
+def summed_loss(
+    model: torch.nn.Module, micro_batch: dict[str, torch.Tensor], loss_chunk: int = 0
+) -> torch.Tensor:
+    """Forward one micro-batch (inside loss_context) and sum its token losses; with loss_chunk > 0
+    the lm_head and loss run `loss_chunk` local positions at a time (parallel.loss_chunk)."""
+    inputs = dict(
         input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
-    ).logits
-    return summed_cross_entropy(logits, micro_batch["labels"])
+    )
+    if loss_chunk <= 0:
+        return summed_cross_entropy(model(**inputs).logits, micro_batch["labels"])
+    with head_detached(model) as head:
+        hidden = model(**inputs).logits
+    return chunked_summed_cross_entropy(head, hidden, micro_batch["labels"], loss_chunk)
 
 
 def optimizer_step(
