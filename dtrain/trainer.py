@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,7 +212,10 @@ def summed_loss(
     )
     if loss_chunk <= 0:
         return summed_cross_entropy(model(**inputs).logits, micro_batch["labels"])
-    with head_detached(model) as head:
+    with head_detached(model) as head, warnings.catch_warnings():
+        # The identity head returns HF's slice of the hidden states, a view: FSDP2 warns against
+        # in-place ops on it, and the chunked loss only slices and reads it.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
         hidden = model(**inputs).logits
     return chunked_summed_cross_entropy(head, hidden, micro_batch["labels"], loss_chunk)
 

@@ -1,12 +1,27 @@
 """Performance paths that must not change numerics: the chunked vocab-parallel loss on the 2×2 mesh
-(tests/workers/perf_mesh.py, 4 gloo processes)."""
+(tests/workers/perf_mesh.py, 4 gloo processes), and the planner showing its saving."""
 
 from __future__ import annotations
 
-from helpers import ROOT, torchrun
+from helpers import MAX_LEN, ROOT, parity_config, torchrun
+
+from dtrain.estimate.planner import plan
 
 
 def test_chunked_loss_matches_the_unchunked_loss_and_gradients_on_2x2(tmp_path):
     done = tmp_path / "done"
     result = torchrun(4, str(ROOT / "tests" / "workers" / "perf_mesh.py"), "--done", str(done), timeout=300)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
+
+
+def test_planner_shows_the_chunked_loss_saving():
+    """The planner runs the trainer's step: with loss_chunk the logits alive at once drop by the chunk
+    factor (local sequence / chunk) and so does the step's peak (the logits dominate a tiny model)."""
+    config = parity_config(None, dp=2, tp=2)
+    config.model.config["vocab_size"] = 8192  # logits large enough to dominate the peak
+    unchunked = plan(config, 4).step
+    config.parallel.loss_chunk = 4
+    chunked = plan(config, 4).step
+    local_len = MAX_LEN // 2  # the sequence-parallel shard
+    assert chunked.logits * (local_len // 4) == unchunked.logits, (chunked.logits, unchunked.logits)
+    assert chunked.peak < unchunked.peak, (chunked.peak, unchunked.peak)
