@@ -279,6 +279,8 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     _one_of("train.nonfinite", train.nonfinite, ("skip", "abort"))
     _one_of("parallel.activation_checkpointing", parallel.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _one_of("optim.schedule", config.optim.schedule, SCHEDULES)
+    if parallel.loss_chunk < 0:
+        raise ConfigError(f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 0 (0: off)")
     _one_of("logging.wandb.mode", config.logging.wandb.mode, WANDB_MODES)
     _one_of("data.format", data.format, DATA_FORMATS)
     _one_of("model.init", config.model.init, ("pretrained", "random"))

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import pytest
 from helpers import MAX_LEN, ROOT, parity_config, torchrun
 
+from dtrain.config import ConfigError, check_config
 from dtrain.estimate.planner import plan
+from dtrain.model import load_model_config
 
 
 def test_chunked_loss_matches_the_unchunked_loss_and_gradients_on_2x2(tmp_path):
@@ -25,3 +28,10 @@ def test_planner_shows_the_chunked_loss_saving():
     local_len = MAX_LEN // 2  # the sequence-parallel shard
     assert chunked.logits * (local_len // 4) == unchunked.logits, (chunked.logits, unchunked.logits)
     assert chunked.peak < unchunked.peak, (chunked.peak, unchunked.peak)
+
+
+def test_negative_loss_chunk_names_the_key():
+    config = parity_config(None, dp=1, tp=1)
+    config.parallel.loss_chunk = -1
+    with pytest.raises(ConfigError, match="parallel.loss_chunk=-1"):
+        check_config(config, 1, load_model_config(config.model))
