@@ -105,21 +105,21 @@ def dtrain_1x1(mb: dict[str, torch.Tensor], device: torch.device, loss_chunk: in
     return step
 
 
-def measure(step: Callable[[], None], warmup: int, steps: int, device: torch.device) -> tuple[float, float]:
-    """Seconds per step after `warmup` steps, and the peak memory in GiB (nan on CPU)."""
-    for _ in range(warmup):
-        step()
+def timed(step: Callable[[], None], steps: int, device: torch.device) -> float:
+    """Seconds per step over `steps` steps."""
     if device.type == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(steps):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / steps
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    return seconds, peak
+    return (time.perf_counter() - start) / steps
+
+
+def peak_gib(device: torch.device) -> float:
+    """Peak allocated memory since the last reset, GiB (nan on CPU)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
+    parser.add_argument("--rounds", type=int, default=3, help="variants alternate; the best round counts")
     parser.add_argument("--loss-chunk", type=int, default=64, help="for the dtrain 1x1 chunked variant")
     args = parser.parse_args(argv)
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1").items():
@@ -142,14 +143,22 @@ def main(argv: list[str] | None = None) -> None:
     }
     tokens = args.batch * args.seq
     kind = "CPU figures (gloo)" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    print(f"{kind}; batch {args.batch} x seq {args.seq}, {args.steps} timed steps after {args.warmup}")
+    print(f"{kind}; batch {args.batch} x seq {args.seq}; best of {args.rounds} rounds of {args.steps} steps")
+    steps, peaks, seconds = {}, {}, {}
+    for name, build in variants.items():  # build and warm up each; its peak memory is its own
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        steps[name] = build()
+        timed(steps[name], args.warmup, device)
+        peaks[name] = peak_gib(device)
+    for _ in range(args.rounds):  # alternate, so that load from elsewhere falls on every variant
+        for name, step in steps.items():
+            seconds[name] = min(seconds.get(name, float("inf")), timed(step, args.steps, device))
     print(f"{'variant':<36}{'tokens/s':>10}{'step ms':>10}{'peak GiB':>10}{'ratio':>8}")
-    first = None
-    for name, build in variants.items():
-        seconds, peak = measure(build(), args.warmup, args.steps, device)
-        first = first or tokens / seconds
-        rate = tokens / seconds
-        print(f"{name:<36}{rate:>10.0f}{seconds * 1000:>10.1f}{peak:>10.2f}{rate / first:>8.2f}")
+    first = tokens / next(iter(seconds.values()))
+    for name, value in seconds.items():
+        rate = tokens / value
+        print(f"{name:<36}{rate:>10.0f}{value * 1000:>10.1f}{peaks[name]:>10.2f}{rate / first:>8.2f}")
 
 
 if __name__ == "__main__":
