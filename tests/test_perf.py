@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from helpers import MAX_LEN, ROOT, parity_config, torchrun
 
@@ -35,3 +38,13 @@ def test_negative_loss_chunk_names_the_key():
     config.parallel.loss_chunk = -1
     with pytest.raises(ConfigError, match="parallel.loss_chunk=-1"):
         check_config(config, 1, load_model_config(config.model))
+
+
+def test_bench_prints_one_table_of_every_variant():
+    """Smoke only (no timed assertion): one invocation, one row per variant, ratio 1.00 for the first."""
+    command = [sys.executable, "-m", "dtrain.bench", "--seq", "16", "--steps", "1", "--warmup", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("plain", "dtrain"))]
+    assert len(rows) == 3 and rows[0].split()[-1] == "1.00", result.stdout
+    assert "CPU figures" in result.stdout
