@@ -40,6 +40,12 @@ def causal_attention(
     sequence-sharded length, so the mask is never built (see `_no_mask`) and padding is on the right.
     Packed rows restart `position_ids` (full length: HF forwards them to here) at every document:
     then the mask is block-diagonal causal, so no token attends across documents."""
+    window = kwargs.get("sliding_window")
+    if window is not None and window < query.shape[-2]:  # silently attending further would change the model
+        raise ValueError(
+            f"the model's sliding_window={window} is shorter than the sequence ({query.shape[-2]}): "
+            "dtrain's attention has no sliding window; lower data.max_len"
+        )
     mask = document_mask(position_ids) if getattr(module.config, PACKED_ROWS, False) else None
     out = F.scaled_dot_product_attention(
         query,

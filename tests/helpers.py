@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dtrain.config import (
     CheckpointConfig,
@@ -50,6 +50,29 @@ def save_tiny_llama(folder: Path, tied: bool, seed: int = 0, max_shard_size: str
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tied))
     model.save_pretrained(folder, max_shard_size=max_shard_size)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
+    return folder
+
+
+# Each family's quirks on TINY: GQA everywhere; Qwen2's q/k/v biases and tied small models; Qwen3's
+# per-head q/k norms with an explicit head_dim.
+FAMILIES = {
+    "mistral": dict(num_key_value_heads=2, sliding_window=None),
+    "qwen2": dict(num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+}
+
+
+def save_tiny_family(folder: Path, model_type: str, seed: int = 0) -> Path:
+    """A tiny HF model of another family (FAMILIES), saved like save_tiny_llama."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **{**TINY, **FAMILIES[model_type]})
+    model = AutoModelForCausalLM.from_config(config)
+    if model_type == "qwen2":  # HF initialises biases to zero: make them matter
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                torch.nn.init.normal_(param, std=0.02)
+    model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
     return folder
 
@@ -112,6 +135,7 @@ def worker_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--untied", type=Path, required=True)
     parser.add_argument("--tied", type=Path, required=True)
+    parser.add_argument("--families", type=Path, help="folder of save_tiny_family models, one per type")
     return parser.parse_args()
 
 

@@ -11,12 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
+    FAMILIES,
     GLOBAL_BATCH,
     ROOT,
     STEPS,
     TOKENIZER,
     fixed_batch,
     parity_config,
+    save_tiny_family,
     save_tiny_llama,
     torchrun,
 )
@@ -29,6 +31,7 @@ RTOL = 1e-5
 MESH_RUNS = {
     "untied": ["1x1", "2x1", "1x2", "2x2", "1x4", "4x1", "2x2_no_sp", "2x2_ac"],
     "tied": ["1x1_tied", "1x2_tied", "2x2_tied"],
+    **{family: [f"2x2_{family}"] for family in FAMILIES},
 }
 
 
@@ -38,6 +41,7 @@ def models(tmp_path_factory):
     return {
         "untied": save_tiny_llama(root / "untied", tied=False),
         "tied": save_tiny_llama(root / "tied", tied=True),
+        **{family: save_tiny_family(root / "families" / family, family) for family in FAMILIES},
     }
 
 
@@ -48,6 +52,7 @@ def mesh_runs(models, tmp_path_factory):
     worker = str(ROOT / "tests" / "workers" / "mesh_runs.py")
     for nproc in (1, 2, 4):
         args = ["--out", str(out), "--untied", str(models["untied"]), "--tied", str(models["tied"])]
+        args += ["--families", str(models["qwen2"].parent)]
         result = torchrun(nproc, worker, *args, timeout=400)
         assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
@@ -106,8 +111,11 @@ def test_loss_grad_norm_and_weights_match_single_process_hf(mesh_runs, reference
         assert record["grad_norm"] == pytest.approx(norm, rel=RTOL), f"{name} step {step} grad norm"
     trained = mesh_runs[name]["params"]
     assert set(trained) == set(params)
+    # The other families' weights get 1e-4: AdamW turns float noise on gradients that are zero in
+    # exact arithmetic (k_proj's bias: softmax ignores a shift shared by all keys) into lr-sized steps.
+    weight_rtol = RTOL if kind in ("untied", "tied") else 1e-4
     for param_name, param in params.items():
-        assert relative_error(trained[param_name], param.detach()) < RTOL, param_name
+        assert relative_error(trained[param_name], param.detach()) < weight_rtol, param_name
 
 
 @pytest.mark.parametrize("kind,name", [("untied", "2x2"), ("tied", "2x2_tied")])

@@ -14,9 +14,11 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from dtrain.config import ParallelConfig
 from dtrain.distributed import Parallel
-from dtrain.parallel import llama
+from dtrain.parallel import llama, qwen3
 
-TP_PLANS = {"llama": llama}
+# By `config.model_type`. Mistral and Qwen2 name their modules as Llama does (Qwen2's q/k/v biases
+# are sharded with their colwise weights); Qwen3 adds per-head q/k norms.
+TP_PLANS = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": qwen3}
 
 
 def parallelize(model: nn.Module, parallel: Parallel, settings: ParallelConfig, precision: str) -> nn.Module:

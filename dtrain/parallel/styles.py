@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle
 
 
@@ -33,3 +33,22 @@ def _output_to_local(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
 
 def _is_plain_tensor(x: Any) -> bool:
     return hasattr(x, "shape") and not isinstance(x, DTensor)
+
+
+class HeadShardedNorm(ParallelStyle):
+    """A norm over head_dim applied to the local heads of a colwise projection (Qwen3's q_norm,
+    k_norm). Its weight is replicated over tp; its input is marked sharded over the heads, so the
+    weight's gradient is summed over every tp rank's heads instead of kept per rank."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, input_fn=_inputs_to_head_shards, output_fn=_output_to_local
+        )
+
+
+def _inputs_to_head_shards(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    # (batch, seq, local heads, head_dim): the heads dimension is what the colwise projection split
+    return tuple(
+        DTensor.from_local(x, mesh, [Shard(x.ndim - 2)], run_check=False) if _is_plain_tensor(x) else x
+        for x in inputs
+    )

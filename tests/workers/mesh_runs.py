@@ -24,7 +24,8 @@ from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.model import canonical_name, load_model_config  # noqa: E402
 from dtrain.trainer import train  # noqa: E402
 
-# name: (dp, tp, model, overrides); model is "untied", "tied" or "random" (seeded init)
+# name: (dp, tp, model, overrides); model is "untied", "tied", "random" (seeded init) or a family
+# of helpers.FAMILIES
 SCENARIOS = {
     1: {
         "1x1": (1, 1, "untied", {}),
@@ -45,6 +46,9 @@ SCENARIOS = {
         "1x4": (1, 4, "untied", {}),
         "4x1": (4, 1, "untied", {}),
         "2x2_random": (2, 2, "random", {}),
+        "2x2_mistral": (2, 2, "mistral", {}),
+        "2x2_qwen2": (2, 2, "qwen2", {}),
+        "2x2_qwen3": (2, 2, "qwen3", {}),
     },
 }
 
@@ -91,7 +95,7 @@ def main() -> None:
     device = init_distributed(timeout_s=300)
     world = dist.get_world_size()
     for name, (dp, tp, kind, overrides) in SCENARIOS[world].items():
-        model_dir = {"untied": args.untied, "tied": args.tied, "random": None}[kind]
+        model_dir = {"untied": args.untied, "tied": args.tied, "random": None}.get(kind, args.families / kind)
         config = parity_config(model_dir, dp, tp)
         apply_overrides(config, overrides)
         model_config = load_model_config(config.model)
