@@ -9,7 +9,6 @@ model parallelize() builds, so hooks, DTensor and loss-parallel overhead are all
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -131,10 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="variants alternate; the best round counts")
     parser.add_argument("--loss-chunk", type=int, default=64, help="for the dtrain 1x1 chunked variant")
     args = parser.parse_args(argv)
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1").items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("LOCAL_RANK", "0")
-    device = init_distributed(timeout_s=300)
+    device = init_distributed(timeout_s=300)  # one process: an in-memory store, no port to take
     mb = batch(args.batch, args.seq, device)
     variants = {
         "plain torch + transformers loop": lambda: plain_loop(mb, device),

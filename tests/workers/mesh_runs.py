@@ -95,7 +95,8 @@ def main() -> None:
     device = init_distributed(timeout_s=300)
     world = dist.get_world_size()
     for name, (dp, tp, kind, overrides) in SCENARIOS[world].items():
-        model_dir = {"untied": args.untied, "tied": args.tied, "random": None}.get(kind, args.families / kind)
+        models = {"untied": args.untied, "tied": args.tied, "random": None}
+        model_dir = models[kind] if kind in models else args.families / kind
         config = parity_config(model_dir, dp, tp)
         apply_overrides(config, overrides)
         model_config = load_model_config(config.model)
