@@ -1,13 +1,18 @@
-"""Where step figures go (JSONL always, console, W&B) and how throughput, MFU and memory are measured.
-Only rank 0 writes; the figures it writes are already reduced over ranks by the trainer."""
+"""Where step figures go (JSONL always, console or progress bar, W&B) and how throughput, MFU and
+memory are measured. Only rank 0 writes; the figures it writes are already reduced over ranks by the
+trainer."""
 
 from __future__ import annotations
 
 import json
 import logging
+import netrc
+import os
 import resource
+import sys
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -49,42 +54,93 @@ class JsonlSink:
         self.file.close()
 
 
+def format_record(record: dict[str, Any], max_steps: int) -> str:
+    step = f"step {record['step']:>{len(str(max_steps))}}/{max_steps}"
+    if "eval_loss" in record:
+        return f"{step} | eval_loss {record['eval_loss']:.4f}"
+    mfu = f" | mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
+    return (
+        f"{step} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | "
+        f"lr {record['lr']:.2e} | tokens/s {record['input_tokens_per_s']:,.0f} "
+        f"({record['input_tokens_per_s_per_device']:,.0f}/device, "
+        f"{record['tokens_per_s']:,.0f} supervised) | step {record['step_time_s'] * 1000:.0f} ms "
+        f"(data {record['data_wait_s'] * 1000:.0f} ms) | mem {record['mem_peak_gib']:.2f} GiB{mfu}"
+    )
+
+
 class ConsoleSink:
-    def __init__(self, max_steps: int) -> None:
-        self.width = len(str(max_steps))
+    """A log line per logged step; on a terminal, a progress bar with ETA (tqdm) below the lines."""
+
+    def __init__(self, max_steps: int, start_step: int = 0, stream: TextIO | None = None) -> None:
         self.max_steps = max_steps
+        stream = stream or sys.stderr
+        self.bar = None
+        if stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=max_steps, initial=start_step, unit="step", file=stream, dynamic_ncols=True)
 
     def write(self, record: dict[str, Any]) -> None:
-        if "eval_loss" in record:
-            log.info(
-                f"step {record['step']:>{self.width}}/{self.max_steps} | eval_loss {record['eval_loss']:.4f}"
-            )
+        line = format_record(record, self.max_steps)
+        if self.bar is None:
+            log.info(line)
             return
-        mfu = f" | mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
-        log.info(
-            f"step {record['step']:>{self.width}}/{self.max_steps} | loss {record['loss']:.4f} | "
-            f"grad_norm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
-            f"tokens/s {record['tokens_per_s']:,.0f} | step {record['step_time_s'] * 1000:.0f} ms | "
-            f"mem {record['mem_peak_gib']:.2f} GiB{mfu}"
-        )
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        with logging_redirect_tqdm():  # the line scrolls above the bar instead of breaking it
+            log.info(line)
+        self.bar.update(record["step"] - self.bar.n)
+        if "loss" in record:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=True)
 
     def close(self) -> None:
-        pass
+        if self.bar is not None:
+            self.bar.close()
+
+
+def wandb_credentials() -> bool:
+    """Whether wandb could log in without a prompt: an API key in the environment or ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host or "") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def hydra_context() -> dict[str, Any]:
+    """The overrides and the chosen experiment of this Hydra job (empty outside Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    hydra = HydraConfig.get()
+    return {"overrides": list(hydra.overrides.task), "experiment": hydra.runtime.choices.get("experiment")}
 
 
 class WandbSink:
+    """One W&B run (rank 0): the resolved config as a plain dict plus the Hydra overrides and
+    experiment under `hydra`. Without credentials an online run logs offline, said in one line."""
+
     def __init__(self, settings: WandbConfig, config: dict[str, Any], run_dir: Path) -> None:
         import wandb
 
-        self.wandb = wandb
+        mode = settings.mode
+        if mode == "online" and not wandb_credentials():
+            log.warning(
+                f"W&B: no credentials (WANDB_API_KEY or ~/.netrc), so this run logs offline to "
+                f"{run_dir / 'wandb'}; upload it later with `wandb sync`"
+            )
+            mode = "offline"
         self.run = wandb.init(
-            mode=settings.mode,
+            mode=mode,
             project=settings.project,
             entity=settings.entity,
             name=settings.name,
             group=settings.group,
             tags=list(settings.tags),
-            config=config,
+            config={**config, "hydra": hydra_context()},
             dir=str(run_dir),
         )
 
@@ -95,8 +151,9 @@ class WandbSink:
         self.run.finish()
 
 
-def open_sinks(config: Config, resolved: dict[str, Any], run_dir: Path) -> list[Sink]:
-    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl"), ConsoleSink(config.train.max_steps)]
+def open_sinks(config: Config, resolved: dict[str, Any], run_dir: Path, start_step: int = 0) -> list[Sink]:
+    console = ConsoleSink(config.train.max_steps, start_step)
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl"), console]
     if config.logging.wandb.mode != "disabled":
         sinks.append(WandbSink(config.logging.wandb, resolved, run_dir))
     return sinks
@@ -120,7 +177,24 @@ def peak_memory_gib(device: torch.device) -> float:
     """CUDA: peak allocated; CPU: the process's peak resident set."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    return host_peak_rss_gib()
+
+
+def host_peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def memory_figures(device: torch.device) -> dict[str, float | None]:
+    """This rank's memory: peak allocated (the contract's mem_peak_gib), and on CUDA the peak
+    reserved by the caching allocator and its retries (a retry means it freed its cache to fit,
+    the warning sign before an OOM); the host process's peak RSS everywhere."""
+    cuda = device.type == "cuda"
+    return {
+        "mem_peak_gib": peak_memory_gib(device),
+        "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
+        "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else None,
+        "mem_rss_gib": host_peak_rss_gib(),
+    }
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -20,7 +20,7 @@ from dtrain.data import IGNORE, build_data, load_tokenizer
 from dtrain.distributed import Parallel, build_parallel
 from dtrain.export import export_hf
 from dtrain.loss import chunked_summed_cross_entropy, head_detached, loss_context, summed_cross_entropy
-from dtrain.metrics import count_parameters, flops_per_token, log, open_sinks, peak_flops, peak_memory_gib
+from dtrain.metrics import count_parameters, flops_per_token, log, memory_figures, open_sinks, peak_flops
 from dtrain.model import build_meta_model, materialize, resolve_model_path
 from dtrain.optim import build_optimizer, build_scheduler, clip_grads, global_grad_norm
 from dtrain.parallel.parallelize import parallelize
@@ -67,13 +67,15 @@ def train(
     num_params = count_parameters(model)
     flops = flops_per_token(model_config, num_params, config.data.max_len)
     peak = peak_flops(device)
-    sinks = open_sinks(config, resolved, run_dir) if is_rank0 else []
+    shard_sizes = gather_shard_sizes(model)  # a collective: every rank, before rank 0 logs
+    sinks = open_sinks(config, resolved, run_dir, progress.step) if is_rank0 else []
     if is_rank0:
-        log_summary(model, parallel, config, num_params, data.num_examples)
+        log_summary(model, parallel, config, num_params, shard_sizes, data.num_examples)
 
     history: list[dict[str, Any]] = []
     dp_group = parallel.dp_mesh.get_group()
     interval_start, interval_tokens, last_logged = time.perf_counter(), 0, progress.step
+    data_wait = 0.0  # host seconds spent waiting for batches in this log interval
     tokens_seen = torch.tensor(float(progress.tokens_seen), device=device)
     guard = StepGuard(config.train, device)
     for step in range(progress.step, config.train.max_steps):
@@ -81,8 +83,10 @@ def train(
             checkpointer.save(model, optimizer, scheduler, batches, Progress(step, int(tokens_seen.item())))
             checkpointer.wait()
             raise Preempted(step)
+        wait_start = time.perf_counter()
         host_batches = guard.agreed(step, batches.next_step)
         micro_batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in host_batches]
+        data_wait += time.perf_counter() - wait_start
         # The loss is a token mean over the whole global batch: count its targets on every dp rank
         # (and its non-pad slots, for the padding fraction).
         counts = sum(
@@ -132,11 +136,12 @@ def train(
         if done % config.train.log_every and done != config.train.max_steps:
             continue
         dist.all_reduce(loss_sum, group=dp_group)
-        memory = torch.tensor(peak_memory_gib(device), device=device)
-        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
         elapsed = time.perf_counter() - interval_start
         steps_in_interval = done - last_logged
+        waited = {"data_wait_s": data_wait / steps_in_interval}
+        worst = max_over_ranks({**memory_figures(device), **waited}, device)
         supervised = int(tokens.item())
+        world = dist.get_world_size()
         record = {
             "step": done,
             "loss": (loss_sum / tokens).item(),
@@ -146,15 +151,16 @@ def train(
             "padding_fraction": 1.0 - filled.item() / (config.train.global_batch_size * config.data.max_len),
             "tokens_per_s": supervised * steps_in_interval / elapsed,
             "input_tokens_per_s": interval_tokens / elapsed,
+            "input_tokens_per_s_per_device": interval_tokens / elapsed / world,
             "step_time_s": elapsed / steps_in_interval,
-            "mem_peak_gib": memory.item(),
-            "mfu": flops * interval_tokens / elapsed / (peak * dist.get_world_size()) if peak else None,
+            **worst,
+            "mfu": flops * interval_tokens / elapsed / (peak * world) if peak else None,
             "skipped_steps": guard.skipped,
         }
         history.append(record)
         for sink in sinks:
             sink.write(record)
-        interval_start, interval_tokens, last_logged = time.perf_counter(), 0, done
+        interval_start, interval_tokens, last_logged, data_wait = time.perf_counter(), 0, done, 0.0
 
     checkpointer.wait()
     guard.close()
@@ -237,15 +243,45 @@ def optimizer_step(
     return grad_norm, skipped
 
 
-def log_summary(model: torch.nn.Module, parallel: Parallel, config: Config, num_params: int, n: int) -> None:
+def max_over_ranks(figures: dict[str, float | None], device: torch.device) -> dict[str, float | None]:
+    """The worst rank's value of each figure, in one all_reduce; None (undefined here) stays None."""
+    defined = [key for key, value in figures.items() if value is not None]
+    values = torch.tensor([float(figures[key]) for key in defined], device=device, dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {**figures, **dict(zip(defined, values.tolist(), strict=True))}
+
+
+def gather_shard_sizes(model: torch.nn.Module) -> list[int]:
+    """Each rank's local parameter elements (its shards), in rank order."""
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    sizes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, local)
+    return sizes
+
+
+def log_summary(
+    model: torch.nn.Module,
+    parallel: Parallel,
+    config: Config,
+    num_params: int,
+    shard_sizes: list[int],
+    n: int,
+) -> None:
     train = config.train
     accumulation = train.global_batch_size // (train.micro_batch_size * parallel.dp_size)
     mesh = dict(zip(parallel.mesh.mesh_dim_names, parallel.mesh.shape, strict=True))
     log.info(
-        f"model {model.config.model_type}: {num_params / 1e6:.2f} M parameters, "
-        f"{local / 1e6:.3f} M on rank 0 | mesh {mesh} "
+        f"model {model.config.model_type}: {num_params / 1e6:.2f} M parameters, per-rank shards "
+        f"{describe_sizes(shard_sizes)} | mesh {mesh} "
         f"on {parallel.device.type} | global batch {train.global_batch_size}, micro batch "
         f"{train.micro_batch_size}, {accumulation} accumulation steps | {n} examples, "
         f"max_len {config.data.max_len}"
     )
+
+
+def describe_sizes(sizes: list[int]) -> str:
+    """Millions of elements per rank: all of them up to 16 ranks, else the range."""
+    millions = [f"{size / 1e6:.3f}" for size in sizes]
+    if len(sizes) <= 16:
+        return f"{' '.join(millions)} M"
+    return f"{min(sizes) / 1e6:.3f}-{max(sizes) / 1e6:.3f} M over {len(sizes)} ranks"

@@ -1,0 +1,171 @@
+"""Observability: a 2×2 CPU run writes every figure to metrics.jsonl and the same losses to an
+offline W&B run (read back from its run file); the start summary; the progress bar on a terminal;
+W&B without credentials; `python -m dtrain.plot` on a sweep folder."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from helpers import read_metrics, run, torchrun
+
+from dtrain.metrics import ConsoleSink, wandb_credentials
+
+STEPS, LOG_EVERY = 4, 2
+FIGURES = [
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens",
+    "padding_fraction",
+    "tokens_per_s",
+    "input_tokens_per_s",
+    "input_tokens_per_s_per_device",
+    "step_time_s",
+    "data_wait_s",
+    "mem_peak_gib",
+    "mem_rss_gib",
+    "skipped_steps",
+]
+CUDA_ONLY = ["mfu", "mem_reserved_gib", "alloc_retries"]  # no peak FLOP/s or caching allocator on CPU
+
+
+def wandb_records(path: Path):
+    """The records of a W&B transaction log (`run-*.wandb`): LevelDB's log format of 32 KiB blocks,
+    each record a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and a
+    protobuf `Record`. Read independently of wandb's own (Go) reader."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, header = path.read_bytes(), 32768, 7
+    assert data[:4] == b":W&B", path
+    position, pending = header, b""
+    while position + header <= len(data):
+        if block - position % block < header:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + header])
+        pending += data[position + header : position + header + length]
+        position += header + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+@pytest.fixture(scope="module")
+def run_2x2(tmp_path_factory) -> Path:
+    """The embedded default on 2×2, W&B asked for online with no credentials anywhere."""
+    run_dir = tmp_path_factory.mktemp("run")
+    home = tmp_path_factory.mktemp("home")  # no ~/.netrc
+    env = {"HOME": str(home), "WANDB_API_KEY": "", "NETRC": str(home / ".netrc")}
+    args = [f"train.max_steps={STEPS}", f"train.log_every={LOG_EVERY}", "logging.wandb.mode=online"]
+    result = torchrun(4, "-m", "dtrain.sft", *args, f"hydra.run.dir={run_dir}", timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return run_dir
+
+
+def test_metrics_jsonl_holds_every_figure(run_2x2):
+    records = read_metrics(run_2x2)
+    assert [r["step"] for r in records] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    for record in records:
+        for key in FIGURES:
+            assert record.get(key) is not None, key
+        for key in CUDA_ONLY:
+            assert key in record and record[key] is None, key
+        world = 4
+        assert record["input_tokens_per_s_per_device"] * world == pytest.approx(record["input_tokens_per_s"])
+        assert record["tokens_per_s"] < record["input_tokens_per_s"]  # prompts and padding are not supervised
+        assert 0 < record["data_wait_s"] < record["step_time_s"]
+        assert record["mem_rss_gib"] > 0.05  # a python process with torch: well over 50 MiB
+
+
+def test_start_summary_and_credentials_line(run_2x2):
+    log = (run_2x2 / "sft.log").read_text()
+    assert log.count("W&B: no credentials") == 1
+    summary = next(line for line in log.splitlines() if "per-rank shards" in line)
+    shards = summary.split("per-rank shards ")[1].split(" M |")[0].split()
+    assert len(shards) == 4
+    assert "mesh {'dp_shard': 2, 'tp': 2}" in summary and "1 accumulation steps" in summary
+
+
+def test_offline_wandb_run_holds_the_same_losses_and_the_config(run_2x2):
+    (run_file,) = (run_2x2 / "wandb").glob("offline-run-*/run-*.wandb")
+    history, config = {}, {}
+    for record in wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = record.history.item
+            history[record.history.step.num] = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items
+            }
+        elif kind == "run":
+            config = {item.key: json.loads(item.value_json) for item in record.run.config.update}
+    jsonl = read_metrics(run_2x2)
+    assert sorted(history) == [r["step"] for r in jsonl]
+    for record in jsonl:
+        assert history[record["step"]]["loss"] == record["loss"]
+        assert history[record["step"]]["input_tokens_per_s"] == record["input_tokens_per_s"]
+    assert config["train"]["max_steps"] == STEPS and config["parallel"]["tp"] == 2  # a plain dict
+    assert "logging.wandb.mode=online" in config["hydra"]["overrides"]
+    assert "experiment" in config["hydra"]
+
+
+def test_plot_draws_a_sweep_folder(run_2x2, tmp_path):
+    for job, lr in enumerate(["1e-3", "5e-4"]):  # a sweep folder's layout: SWEEP/JOB/{metrics,.hydra}
+        (tmp_path / str(job) / ".hydra").mkdir(parents=True)
+        shutil.copy(run_2x2 / "metrics.jsonl", tmp_path / str(job))
+        (tmp_path / str(job) / ".hydra" / "overrides.yaml").write_text(f"- optim.lr={lr}\n")
+    result = run([sys.executable, "-m", "dtrain.plot", str(tmp_path)], timeout=120)
+    assert result.returncode == 0, result.stdout
+    assert "2 run(s)" in result.stdout
+    height, width, _ = matplotlib.image.imread(tmp_path / "curves.png").shape
+    assert width > 2 * height  # three panels side by side
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run([sys.executable, "-m", "dtrain.plot", str(empty)], timeout=120)
+    assert result.returncode != 0 and "no metrics.jsonl" in result.stdout
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_plain_lines_otherwise(caplog):
+    record = json.loads(
+        '{"step": 4, "loss": 2.5, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 10.0, '
+        '"input_tokens_per_s": 40.0, "input_tokens_per_s_per_device": 10.0, "step_time_s": 0.1, '
+        '"data_wait_s": 0.01, "mem_peak_gib": 1.0, "mfu": null}'
+    )
+    terminal = Terminal()
+    sink = ConsoleSink(max_steps=10, stream=terminal)
+    sink.write(record)
+    sink.close()
+    assert " 4/10 [" in terminal.getvalue() and "loss=2.5000" in terminal.getvalue()  # tqdm: n/total [ETA]
+
+    pipe = io.StringIO()
+    with caplog.at_level("INFO", logger="dtrain"):
+        ConsoleSink(max_steps=10, stream=pipe).write(record)
+    assert pipe.getvalue() == ""  # no bar into a file or pipe
+    assert "step  4/10 | loss 2.5000" in caplog.text
+
+
+def test_wandb_credentials(monkeypatch, tmp_path):
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / ".netrc"))
+    assert not wandb_credentials()
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    assert wandb_credentials()
+    monkeypatch.setenv("NETRC", str(tmp_path / "missing"))
+    monkeypatch.setenv("WANDB_API_KEY", "abc")
+    assert wandb_credentials()
