@@ -133,8 +133,7 @@ class WandbSink:
                 f"{run_dir / 'wandb'}; upload it later with `wandb sync`"
             )
             mode = "offline"
-        self.run = wandb.init(
-            mode=mode,
+        init = dict(
             project=settings.project,
             entity=settings.entity,
             name=settings.name,
@@ -143,6 +142,13 @@ class WandbSink:
             config={**config, "hydra": hydra_context()},
             dir=str(run_dir),
         )
+        try:
+            self.run = wandb.init(mode=mode, **init)
+        except wandb.Error as error:  # e.g. the server is unreachable: keep the run, log offline
+            if mode != "online":
+                raise
+            log.warning(f"W&B: online init failed ({str(error).splitlines()[0]}); logging offline instead")
+            self.run = wandb.init(mode="offline", **init)
 
     def write(self, record: dict[str, Any]) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])

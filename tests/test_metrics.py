@@ -169,3 +169,25 @@ def test_wandb_credentials(monkeypatch, tmp_path):
     monkeypatch.setenv("NETRC", str(tmp_path / "missing"))
     monkeypatch.setenv("WANDB_API_KEY", "abc")
     assert wandb_credentials()
+
+
+def test_wandb_falls_back_offline_when_online_init_fails(monkeypatch, tmp_path, caplog):
+    import wandb
+
+    from dtrain.config import WandbConfig
+    from dtrain.metrics import WandbSink
+
+    modes = []
+
+    def init(mode, **kwargs):
+        modes.append(mode)
+        if mode == "online":
+            raise wandb.errors.CommError("Timed out while retrying: dial tcp: connection refused")
+        return object()
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.setenv("WANDB_API_KEY", "abc")
+    with caplog.at_level("WARNING", logger="dtrain"):
+        WandbSink(WandbConfig(mode="online"), {"train": {}}, tmp_path)
+    assert modes == ["online", "offline"]
+    assert caplog.text.count("W&B: online init failed (Timed out while retrying") == 1
