@@ -72,7 +72,7 @@ def train(
         log_summary(model, parallel, config, num_params, data.num_examples)
 
     history: list[dict[str, Any]] = []
-    dp_group = parallel.dp_mesh.get_group()
+    dp_group = parallel.dp_group
     interval_start, interval_tokens, last_logged = time.perf_counter(), 0, progress.step
     tokens_seen = torch.tensor(float(progress.tokens_seen), device=device)
     guard = StepGuard(config.train, device)
