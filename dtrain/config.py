@@ -210,8 +210,6 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> MeshShape:
     """Resolve dp_shard=-1 and check that tp × dp_shard × dp_replicate is the world size."""
     _positive("parallel.tp", parallel.tp)
     _positive("parallel.dp_replicate", parallel.dp_replicate)
-    if parallel.dp_replicate != 1:
-        raise ConfigError(f"parallel.dp_replicate={parallel.dp_replicate}: HSDP is not available yet; use 1")
     dp_shard = parallel.dp_shard
     if dp_shard == -1:
         if world_size % (parallel.tp * parallel.dp_replicate):

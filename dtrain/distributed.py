@@ -18,20 +18,23 @@ class Parallel:
     """The mesh and the sub-meshes each stage needs, built once per run."""
 
     mesh: DeviceMesh  # ("dp_shard", "tp"), or ("dp_replicate", "dp_shard", "tp") for HSDP
-    dp_mesh: DeviceMesh  # what FSDP shards over and what data/loss are split over
+    dp_mesh: DeviceMesh  # what fully_shard gets: ("dp_shard",), or ("dp_replicate", "dp_shard") for HSDP
+    dp_flat: DeviceMesh  # 1-D over every dp rank (replicas too): what data and the loss are split over
     tp_mesh: DeviceMesh
     device: torch.device
 
     @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The group of all dp ranks of this tp rank: token counts and losses are summed over it."""
+        return self.dp_flat.get_group()
+
+    @property
     def dp_rank(self) -> int:
-        rank = 0
-        for size, coordinate in zip(self.dp_mesh.shape, self.dp_mesh.get_coordinate(), strict=True):
-            rank = rank * size + coordinate
-        return rank
+        return self.dp_flat.get_local_rank()
 
     @property
     def dp_size(self) -> int:
-        return self.dp_mesh.size()
+        return self.dp_flat.size()
 
     @property
     def tp_size(self) -> int:
@@ -81,7 +84,8 @@ def init_distributed(timeout_s: int) -> torch.device:
 
 
 def build_parallel(shape: MeshShape, device: torch.device) -> Parallel:
-    """The named mesh. With dp_replicate > 1 the dp sub-mesh is 2-D (HSDP)."""
+    """The named mesh. With dp_replicate > 1 (HSDP) FSDP shards over the 2-D ("dp_replicate",
+    "dp_shard") sub-mesh, and the data over its flattening "dp"."""
     if shape.dp_replicate > 1:
         mesh = init_device_mesh(
             device.type,
@@ -89,10 +93,12 @@ def build_parallel(shape: MeshShape, device: torch.device) -> Parallel:
             mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
         )
         dp_mesh = mesh["dp_replicate", "dp_shard"]
+        # A 2-D mesh has no single group; torchtitan flattens it the same way.
+        dp_flat = dp_mesh._flatten("dp")
     else:
         mesh = init_device_mesh(device.type, (shape.dp_shard, shape.tp), mesh_dim_names=("dp_shard", "tp"))
-        dp_mesh = mesh["dp_shard"]
-    return Parallel(mesh=mesh, dp_mesh=dp_mesh, tp_mesh=mesh["tp"], device=device)
+        dp_mesh = dp_flat = mesh["dp_shard"]
+    return Parallel(mesh=mesh, dp_mesh=dp_mesh, dp_flat=dp_flat, tp_mesh=mesh["tp"], device=device)
 
 
 def shutdown() -> None:

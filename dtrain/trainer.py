@@ -73,7 +73,7 @@ def train(
         log_summary(model, parallel, config, num_params, shard_sizes, data.num_examples)
 
     history: list[dict[str, Any]] = []
-    dp_group = parallel.dp_mesh.get_group()
+    dp_group = parallel.dp_group
     interval_start, interval_tokens, last_logged = time.perf_counter(), 0, progress.step
     data_wait = 0.0  # host seconds spent waiting for batches in this log interval
     tokens_seen = torch.tensor(float(progress.tokens_seen), device=device)

@@ -1,0 +1,118 @@
+"""Launched by tests/test_hsdp.py under torchrun on 8 processes, every scenario on one process group:
+
+- `hsdp`: HSDP 2×2×2 (dp_replicate, dp_shard, tp) trains the parity run, checkpointing at steps 4
+  and 8; its sharding invariants are asserted on every rank.
+- `resume_fsdp`: step 4 of `hsdp` resumed on plain FSDP 4×2 (dp_shard, tp); it checkpoints at step 8.
+- `resume_hsdp`: step 8 of `resume_fsdp` resumed on HSDP 2×4×1: back from FSDP to HSDP.
+- `unplanned`: a Linear the TP plan does not name, added to a decoder layer: parallelize must refuse it.
+
+Rank 0 saves `<out>/<name>.pt`; a failed invariant exits non-zero.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers import parity_config, worker_args  # noqa: E402
+
+from dtrain.config import check_config  # noqa: E402
+from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
+from dtrain.model import build_meta_model, canonical_name, load_model_config  # noqa: E402
+from dtrain.parallel.parallelize import parallelize  # noqa: E402
+from dtrain.trainer import train  # noqa: E402
+
+HSDP_NAMES = ("dp_replicate", "dp_shard", "tp")
+SHARDS = (Shard, _StridedShard)
+UNPLANNED = "extra_proj"  # tests/test_hsdp.py looks for this name in the error
+
+
+def hsdp_config(model_dir: Path, replicate: int, shard: int, tp: int, out: Path, name: str):
+    config = parity_config(model_dir, shard, tp)
+    config.parallel.dp_replicate = replicate
+    config.checkpoint.every = 4
+    config.checkpoint.dir = str(out / name / "checkpoints")
+    return config
+
+
+def run(config, name: str, out: Path, device: torch.device, resume_from: Path | None = None):
+    model_config = load_model_config(config.model)
+    shape = check_config(config, dist.get_world_size(), model_config)
+    resolved = OmegaConf.to_container(OmegaConf.structured(config))
+    return train(config, shape, model_config, device, out / name, resolved, resume_from)
+
+
+def check_hsdp_sharding(model: nn.Module, optimizer: torch.optim.Optimizer, shard: int, tp: int) -> None:
+    """Parameters and AdamW states: DTensors on the 3-D mesh, replicated over dp_replicate, each
+    local shard at most ceil(numel / (dp_shard·tp)) where tp shards it."""
+    for name, param in model.named_parameters():
+        for label, tensor in [("param", param), *optimizer.state[param].items()]:
+            if label == "step":
+                continue
+            assert isinstance(tensor, DTensor), f"{label} of {name} is not a DTensor"
+            assert tuple(tensor.device_mesh.mesh_dim_names) == HSDP_NAMES, f"{label} of {name}"
+            assert tensor.placements == param.placements, f"{label} of {name}: {tensor.placements}"
+        assert param.placements[0] == Replicate(), f"{name}: {param.placements}"
+        # dim 0 of a parameter tp shards on dim 0 is a _StridedShard over dp_shard
+        assert isinstance(param.placements[1], SHARDS), f"{name}: {param.placements}"
+        tp_sharded = isinstance(param.placements[2], SHARDS)
+        bound = math.ceil(param.numel() / (shard * tp if tp_sharded else shard))
+        assert param.to_local().numel() <= bound, f"{name}: {param.to_local().numel()} > {bound}"
+
+
+def unplanned_linear_error(model_dir: Path, device: torch.device) -> str | None:
+    """parallelize on a model with one Linear no plan covers; returns the error, None if accepted."""
+    config = parity_config(model_dir, 2, 2)
+    config.parallel.dp_replicate = 2
+    model_config = load_model_config(config.model)
+    shape = check_config(config, dist.get_world_size(), model_config)
+    model = build_meta_model(model_config)
+    with torch.device("meta"):
+        model.model.layers[1].mlp.add_module(UNPLANNED, nn.Linear(model_config.hidden_size, 8))
+    try:
+        parallelize(model, build_parallel(shape, device), config.parallel, config.train.precision)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def main() -> None:
+    args = worker_args()
+    out, device = args.out, init_distributed(timeout_s=300)
+    assert dist.get_world_size() == 8, "hsdp_runs.py runs on 8 processes"
+    results = {}
+
+    hsdp = run(hsdp_config(args.untied, 2, 2, 2, out, "hsdp"), "hsdp", out, device)
+    check_hsdp_sharding(hsdp.model, hsdp.optimizer, shard=2, tp=2)
+    params = {canonical_name(n): p.full_tensor() for n, p in hsdp.model.named_parameters()}
+    results["hsdp"] = {"history": hsdp.history, "params": params}
+
+    step4 = out / "hsdp" / "checkpoints" / "step-00000004"
+    fsdp = run(hsdp_config(args.untied, 1, 4, 2, out, "resume_fsdp"), "resume_fsdp", out, device, step4)
+    results["resume_fsdp"] = {"history": fsdp.history}
+
+    step8 = out / "resume_fsdp" / "checkpoints" / "step-00000008"
+    back = run(hsdp_config(args.untied, 2, 4, 1, out, "resume_hsdp"), "resume_hsdp", out, device, step8)
+    check_hsdp_sharding(back.model, back.optimizer, shard=4, tp=1)
+    results["resume_hsdp"] = {"history": back.history}
+
+    results["unplanned"] = {"error": unplanned_linear_error(args.untied, device)}
+    if dist.get_rank() == 0:
+        for name, saved in results.items():
+            torch.save(saved, out / f"{name}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
