@@ -59,7 +59,11 @@ def to_json(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], to
             "model_type": plan.model_type,
             "num_params": plan.num_params,
             "world_size": plan.shape.dp * plan.shape.tp,
-            "mesh": {"dp_shard": plan.shape.dp_shard, "tp": plan.shape.tp},
+            "mesh": {
+                "dp_replicate": plan.shape.dp_replicate,
+                "dp_shard": plan.shape.dp_shard,
+                "tp": plan.shape.tp,
+            },
             "micro_batch_size": plan.micro_batch_size,
             "max_len": plan.max_len,
             "precision": plan.precision,
@@ -95,9 +99,10 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         return f"  {label:<52}{num(value)}"
 
     v = verdict(step.peak, gpu_memory_gib)
+    replicas = f"dp_replicate {shape.dp_replicate} × " if shape.dp_replicate > 1 else ""
     lines = [
         f"dtrain plan: {plan.model_type}, {plan.num_params / 1e9:.3g} B parameters | world "
-        f"{shape.dp * shape.tp} = dp_shard {shape.dp_shard} × tp {shape.tp} | micro batch "
+        f"{shape.dp * shape.tp} = {replicas}dp_shard {shape.dp_shard} × tp {shape.tp} | micro batch "
         f"{plan.micro_batch_size} × max_len {plan.max_len} | {plan.precision} | activation checkpointing "
         f"{plan.activation_checkpointing} | {plan.accumulation} micro-batches per step "
         f"(tracked {step.micro_batches}) | planned in {plan.seconds:.0f} s",
