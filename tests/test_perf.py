@@ -1,5 +1,8 @@
-"""Performance paths that must not change numerics: the chunked vocab-parallel loss on the 2×2 mesh
-(tests/workers/perf_mesh.py, 4 gloo processes), and the planner showing its saving."""
+"""Performance paths that must not change numerics: the chunked vocab-parallel loss, selective
+activation checkpointing, per-layer resharding and FSDP prefetch on the 2×2 mesh
+(tests/workers/perf_mesh.py, 4 gloo processes); the tp=1 fast path and torch.compile on 1×1 (one
+process); flex attention on packed rows against sdpa's dense mask; the planner showing the chunked
+loss's saving; the bench's table."""
 
 from __future__ import annotations
 
@@ -7,17 +10,56 @@ import subprocess
 import sys
 
 import pytest
-from helpers import MAX_LEN, ROOT, parity_config, torchrun
+import torch
+from helpers import MAX_LEN, ROOT, TINY, parity_config, run, torchrun
 
+import dtrain.model
 from dtrain.config import ConfigError, check_config
 from dtrain.estimate.planner import plan
-from dtrain.model import load_model_config
+from dtrain.model import build_meta_model, init_weights, load_model_config, reset_rotary_buffers
+
+WORKER = str(ROOT / "tests" / "workers" / "perf_mesh.py")
 
 
-def test_chunked_loss_matches_the_unchunked_loss_and_gradients_on_2x2(tmp_path):
+def test_chunked_loss_checkpointing_and_resharding_keep_the_numerics_on_2x2(tmp_path):
     done = tmp_path / "done"
-    result = torchrun(4, str(ROOT / "tests" / "workers" / "perf_mesh.py"), "--done", str(done), timeout=300)
+    result = torchrun(4, WORKER, "--done", str(done), timeout=300)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
+
+
+def test_tp1_fast_path_compile_and_selective_recomputation_on_1x1(tmp_path):
+    """One process. Inductor compiles on the CPU (g++); one compile worker, not a pool of them."""
+    done = tmp_path / "done"
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    result = run([sys.executable, WORKER, "--single", "--done", str(done)], timeout=300, env=env)
+    assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
+
+
+def test_flex_attention_on_packed_rows_matches_sdpa_with_the_document_mask(monkeypatch):
+    """The CUDA path for packed rows (flex attention, block mask from the document ids), run eagerly
+    on the CPU (forward only: flex has no CPU backward), against the sdpa path every other device
+    takes. The mask is built once per forward and reaches every layer through the forward kwargs."""
+    config = load_model_config(parity_config(None, dp=1, tp=1).model)
+    config.num_key_value_heads = 2  # grouped-query attention through flex's enable_gqa
+    model = build_meta_model(config, packed=True)
+    model.to_empty(device="cpu")
+    reset_rotary_buffers(model, torch.device("cpu"))
+    init_weights(model, seed=0)
+    ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) * 7 % TINY["vocab_size"]
+    # Documents of 11 + 21 and 5 + 20 + 7 tokens: boundaries inside flex's blocks.
+    starts = [[0, 11], [0, 5, 25]]
+    positions = torch.stack(
+        [torch.cat([torch.arange(b - a) for a, b in zip(s, [*s[1:], MAX_LEN], strict=True)]) for s in starts]
+    )
+    with torch.no_grad():
+        sdpa = model(input_ids=ids, position_ids=positions).logits
+        builds = []
+        build = dtrain.model.document_block_mask
+        monkeypatch.setattr(dtrain.model, "document_block_mask", lambda p: builds.append(1) or build(p))
+        monkeypatch.setattr(dtrain.model, "packed_attention_backend", lambda device: "flex")
+        flex = model(input_ids=ids, position_ids=positions).logits
+    assert len(builds) == 1, f"block mask built {len(builds)} times for one forward"
+    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
 
 
 def test_planner_shows_the_chunked_loss_saving():
@@ -33,10 +75,20 @@ def test_planner_shows_the_chunked_loss_saving():
     assert chunked.peak < unchunked.peak, (chunked.peak, unchunked.peak)
 
 
-def test_negative_loss_chunk_names_the_key():
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("loss_chunk", -1),
+        ("fsdp_prefetch", -1),
+        ("reshard_after_forward", "sometimes"),
+        ("activation_checkpointing", "partial"),
+    ],
+)
+def test_bad_perf_settings_name_the_key(key, value):
     config = parity_config(None, dp=1, tp=1)
-    config.parallel.loss_chunk = -1
-    with pytest.raises(ConfigError, match="parallel.loss_chunk=-1"):
+    setattr(config.parallel, key, value)
+    shown = repr(value) if isinstance(value, str) else value  # how _one_of and the int checks print it
+    with pytest.raises(ConfigError, match=f"parallel.{key}={shown}"):
         check_config(config, 1, load_model_config(config.model))
 
 
