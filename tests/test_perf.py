@@ -93,10 +93,24 @@ def test_bad_perf_settings_name_the_key(key, value):
 
 
 def test_bench_prints_one_table_of_every_variant():
-    """Smoke only (no timed assertion): one invocation, one row per variant, ratio 1.00 for the first."""
+    """Smoke plus the table's own arithmetic (no timed assertion): one invocation, one row per
+    variant (the HF Trainer one, or why it did not run), a 2-process mesh from torchrun workers."""
     command = [sys.executable, "-m", "dtrain.bench", "--seq", "16", "--steps", "1", "--warmup", "1"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    command += ["--rounds", "1", "--meshes", "2x1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith(("plain", "dtrain"))]
-    assert len(rows) == 3 and rows[0].split()[-1] == "1.00", result.stdout
+    lines = result.stdout.splitlines()
+    rows = {
+        line[:36].strip(): line[36:].split() for line in lines if line.startswith(("plain", "dtrain", "HF"))
+    }
     assert "CPU figures" in result.stdout
+    names = ["plain torch + transformers loop", "dtrain 1x1", "dtrain 1x1 loss_chunk=64", "dtrain 2x1"]
+    assert [name for name in rows if not name.startswith("HF")] == names, result.stdout
+    assert "HF Trainer" in rows or any(line.startswith("HF Trainer: not run") for line in lines)
+    assert rows[names[0]][-1] == "1.00"
+    for name in names:
+        devices, rate, supervised, per_device, mfu, _, memory, _ = rows[name]
+        assert (mfu, memory) == ("-", "-"), name  # no peak FLOP/s and no per-variant memory on CPU
+        assert float(supervised) < float(rate), name  # prompt positions carry no targets
+        assert float(per_device) == pytest.approx(float(rate) / int(devices), abs=1), name
+    assert rows["dtrain 2x1"][0] == "2"
