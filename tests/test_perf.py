@@ -9,12 +9,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import datasets
 import pytest
 import torch
 from helpers import MAX_LEN, ROOT, TINY, parity_config, run, torchrun
 
 import dtrain.model
 from dtrain.config import ConfigError, check_config
+from dtrain.data.loader import Rows, SFTLoader
 from dtrain.estimate.planner import plan
 from dtrain.model import build_meta_model, init_weights, load_model_config, reset_rotary_buffers
 
@@ -73,6 +75,30 @@ def test_planner_shows_the_chunked_loss_saving():
     local_len = MAX_LEN // 2  # the sequence-parallel shard
     assert chunked.logits * (local_len // 4) == unchunked.logits, (chunked.logits, unchunked.logits)
     assert chunked.peak < unchunked.peak, (chunked.peak, unchunked.peak)
+
+
+def test_prefetching_loader_gives_the_same_stream_and_resumes_mid_stream():
+    """The CUDA default (a thread builds the next step ahead), forced on CPU: the same micro-batches
+    as building each step on demand, also after load_state_dict with a step already built ahead."""
+    examples = datasets.Dataset.from_dict(
+        {"input_ids": [[i, i + 1, i + 2] for i in range(10)], "mask": [[0, 1, 1]] * 10}
+    )
+    rows = Rows(examples, [[i] for i in range(10)], max_len=4, pad_id=0)
+
+    def loader(prefetch: bool) -> SFTLoader:
+        return SFTLoader(rows, global_batch_size=4, micro_batch_size=2, dp_rank=1, dp_size=2, seed=3,
+                         shuffle=True, prefetch=prefetch)  # fmt: skip
+
+    def ids(step: list[dict]) -> list[list[int]]:
+        return [row for mb in step for row in mb["input_ids"].tolist()]
+
+    plain, ahead = loader(False), loader(True)
+    expected = [ids(plain.next_step()) for _ in range(6)]  # over an epoch boundary (10 rows)
+    assert [ids(ahead.next_step()) for _ in range(3)] == expected[:3]
+    state = ahead.state_dict()
+    assert ids(ahead.next_step()) == expected[3]
+    ahead.load_state_dict(state)  # back one step, while step 5 is being built ahead
+    assert [ids(ahead.next_step()) for _ in range(3)] == expected[3:]
 
 
 @pytest.mark.parametrize(
