@@ -123,9 +123,12 @@ def make_batch(setup: Setup, device: torch.device, seed: int = 0) -> dict[str, t
 
 
 def hf_model(setup: Setup, device: torch.device) -> torch.nn.Module:
+    """Built (and initialised) on the device itself: a 1 B model's init on the host takes long."""
     torch.manual_seed(0)
     config = AutoConfig.for_model(**setup.model)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.train()
 
 
 def plain_loop(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device) -> Step:
@@ -216,18 +219,22 @@ def measure(
     devices: int = 1,
     dp: int = 1,
 ) -> list[Result]:
-    """Build and warm up each variant (its peak memory is its own), then time them in alternating
+    """Build and warm up each variant (its peak memory is its own: what it adds to the memory the
+    variants built before it hold), then time them in alternating
     rounds, so that load from elsewhere falls on every variant; the best round counts."""
     mb = make_batch(setup, device)
     tokens, supervised = mb["input_ids"].numel() * dp, int((mb["labels"] != IGNORE).sum()) * dp
     steps, peaks, seconds = {}, {}, {}
     for name, build in builds.items():
+        before = 0.0
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated() / 2**30  # the variants built before this one
         steps[name] = build()
         timed(steps[name], args.warmup, device)
-        peaks[name] = peak_gib(device)
+        peak = peak_gib(device)
+        peaks[name] = peak - before if peak is not None else None
     for _ in range(args.rounds):
         for name, step in steps.items():
             seconds[name] = min(seconds.get(name, float("inf")), timed(step, args.steps, device))
