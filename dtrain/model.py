@@ -136,10 +136,12 @@ def flex_document_attention(
     block_mask: Any = None,
 ) -> torch.Tensor:
     """[batch, heads, seq, head_dim] attention within documents, as sdpa with document_mask gives.
-    Compiled on CUDA; eager elsewhere (forward only: how the CPU tests compare it with sdpa)."""
+    Compiled on CUDA (inside a compiled layer, dynamo compiles the call itself); eager elsewhere
+    (forward only: how the CPU tests compare it with sdpa)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    attend = _compiled_flex_attention() if query.is_cuda else flex_attention
+    eager_call = query.is_cuda and not torch.compiler.is_compiling()
+    attend = _compiled_flex_attention() if eager_call else flex_attention
     if block_mask is None:
         block_mask = document_block_mask(position_ids)
     return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)

@@ -40,7 +40,8 @@ def test_tp1_fast_path_compile_and_selective_recomputation_on_1x1(tmp_path):
 def test_flex_attention_on_packed_rows_matches_sdpa_with_the_document_mask(monkeypatch):
     """The CUDA path for packed rows (flex attention, block mask from the document ids), run eagerly
     on the CPU (forward only: flex has no CPU backward), against the sdpa path every other device
-    takes. The mask is built once per forward and reaches every layer through the forward kwargs."""
+    takes. The mask is built once per forward and reaches every layer through the forward kwargs,
+    also into compiled layers."""
     config = load_model_config(parity_config(None, dp=1, tp=1).model)
     config.num_key_value_heads = 2  # grouped-query attention through flex's enable_gqa
     model = build_meta_model(config, packed=True)
@@ -62,6 +63,18 @@ def test_flex_attention_on_packed_rows_matches_sdpa_with_the_document_mask(monke
         flex = model(input_ids=ids, position_ids=positions).logits
     assert len(builds) == 1, f"block mask built {len(builds)} times for one forward"
     torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+    # As parallel.compile=true runs it on CUDA: each layer one full graph, the BlockMask an input
+    # (new documents do not recompile). aot_eager: tracing is what is checked here, not inductor.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # eager flex compiles its own helper graph
+    for index, layer in enumerate(model.model.layers):
+        model.model.layers[index] = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        compiled = model(input_ids=ids, position_ids=positions).logits
+        model(input_ids=ids, position_ids=positions.flip(0))
+    torch.testing.assert_close(compiled, sdpa, rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()  # leave no compiled code to the tests after this one
 
 
 def test_planner_shows_the_chunked_loss_saving():
