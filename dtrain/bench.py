@@ -1,21 +1,32 @@
 """`python -m dtrain.bench`: the same model, data and batch trained by a plain PyTorch +
-transformers loop (the no-overhead baseline) and by dtrain's step on a 1×1 mesh, in one run; prints
-tokens/s, step time, peak memory (CUDA only) and each variant's ratio to the plain loop. On CPU the
-figures are CPU figures (gloo) and the table says so.
+transformers loop (the no-overhead baseline), by the Hugging Face Trainer (where `accelerate` is
+installed), by dtrain's step on a 1×1 mesh, and by dtrain on the meshes the machine allows
+(torchrun workers); prints one table: tokens/s (all and supervised), tokens/s per device, MFU
+(CUDA with a known peak), step time, peak memory (CUDA) and each variant's ratio to the plain loop.
+On CPU the figures are CPU figures (gloo) and the table says so.
 
-dtrain's variant runs exactly the trainer's per-step functions (micro_step, optimizer_step) on the
-model parallelize() builds, so hooks, DTensor and loss-parallel overhead are all in the figure."""
+dtrain's variants run exactly the trainer's per-step functions (micro_step, optimizer_step) on the
+model parallelize() builds, so hooks, DTensor and loss-parallel overhead are all in the figure.
+bench/gpu_check.py reuses these pieces on a Llama-3.2-1B shape."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from dtrain.config import (
     Config,
@@ -28,12 +39,13 @@ from dtrain.config import (
 )
 from dtrain.data import IGNORE
 from dtrain.distributed import build_parallel, init_distributed
+from dtrain.metrics import flops_per_token, peak_flops
 from dtrain.model import build_meta_model, load_model_config, materialize
 from dtrain.optim import build_optimizer
 from dtrain.parallel.parallelize import parallelize
 from dtrain.trainer import micro_step, optimizer_step
 
-MODEL = dict(
+TINY_MODEL = dict(
     model_type="llama",
     vocab_size=8192,
     hidden_size=128,
@@ -45,30 +57,94 @@ MODEL = dict(
 )
 LR, MAX_NORM = 1e-3, 1.0
 TOKENIZER = Path(__file__).parent / "assets" / "tokenizer"  # only checked: the data is random ids
+Step = Callable[[], None]
 
 
-def batch(batch_size: int, seq: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """One fixed random batch (every variant trains on it)."""
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, MODEL["vocab_size"], (batch_size, seq + 1), generator=generator)
-    positions = torch.arange(seq).expand(batch_size, -1)
+@dataclass
+class Setup:
+    """What every variant trains: the model's shape, one fixed micro-batch per dp rank, precision."""
+
+    model: dict = field(default_factory=lambda: dict(TINY_MODEL))
+    batch: int = 4
+    seq: int = 256
+    precision: str = "fp32"  # bf16: FSDP's mixed precision in dtrain, autocast in the plain loop
+    packed: bool = False  # rows of several documents (position_ids restart, document mask)
+    compile: bool = False  # torch.compile each decoder layer (dtrain and the plain loop alike)
+    loss_chunk: int = 0  # dtrain only
+
+
+@dataclass
+class Result:
+    name: str
+    devices: int
+    seconds: float  # per step, best round
+    tokens: int  # input tokens per step, all devices
+    supervised: int  # targets per step, all devices
+    flops_per_token: float
+    peak_gib: float | None  # CUDA only: per device, max over ranks
+
+    def row(self, first: Result | None, peak: float | None) -> dict:
+        rate = self.tokens / self.seconds
+        mfu = self.flops_per_token * rate / (peak * self.devices) if peak else None
+        return {
+            "variant": self.name,
+            "devices": self.devices,
+            "tokens_per_s": rate,
+            "supervised_tokens_per_s": self.supervised / self.seconds,
+            "tokens_per_s_per_device": rate / self.devices,
+            "mfu": mfu,
+            "step_ms": self.seconds * 1000,
+            "peak_gib": self.peak_gib,
+            "ratio": rate / (first.tokens / first.seconds) if first else 1.0,
+        }
+
+
+def make_batch(setup: Setup, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One fixed random micro-batch. The first quarter of each document is prompt (no targets); with
+    packing each row holds documents of random lengths, each restarting position_ids."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, setup.model["vocab_size"], (setup.batch, setup.seq + 1), generator=generator)
+    labels, positions = ids[:, 1:].clone(), torch.empty(setup.batch, setup.seq, dtype=torch.long)
+    for row in range(setup.batch):
+        start = 0
+        while start < setup.seq:
+            low = max(2, setup.seq // 8)
+            length = setup.seq - start if not setup.packed else int(torch.randint(low, setup.seq, (1,)))
+            stop = min(setup.seq, start + length)
+            positions[row, start:stop] = torch.arange(stop - start)
+            labels[row, start : start + (stop - start) // 4] = IGNORE
+            labels[row, start] = IGNORE  # a document's first label would predict across the seam
+            start = stop
     return {
         "input_ids": ids[:, :-1].to(device),
-        "labels": ids[:, 1:].to(device),
+        "labels": labels.to(device),
         "position_ids": positions.to(device),
     }
 
 
-def plain_loop(mb: dict[str, torch.Tensor], device: torch.device) -> Callable[[], None]:
-    """The baseline: a Hugging Face model, AdamW, summed token loss / tokens, clip, step."""
+def hf_model(setup: Setup, device: torch.device) -> torch.nn.Module:
+    """Built (and initialised) on the device itself: a 1 B model's init on the host takes long."""
     torch.manual_seed(0)
-    config = LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"})
-    model = LlamaForCausalLM(config).to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    config = AutoConfig.for_model(**setup.model)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.train()
+
+
+def plain_loop(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device) -> Step:
+    """The baseline: a Hugging Face model (its default sdpa attention; packed rows get its own
+    document mask from the restarting position_ids), AdamW, summed token loss / tokens, clip, step."""
+    model = hf_model(setup, device)
+    if setup.compile:
+        for index, layer in enumerate(model.model.layers):
+            model.model.layers[index] = torch.compile(layer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=True)
     tokens = (mb["labels"] != IGNORE).sum().float()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=setup.precision == "bf16")
 
     def step() -> None:
-        logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
+        with autocast:
+            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(), reduction="sum")
         (loss / tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -78,34 +154,38 @@ def plain_loop(mb: dict[str, torch.Tensor], device: torch.device) -> Callable[[]
     return step
 
 
-def dtrain_1x1(mb: dict[str, torch.Tensor], device: torch.device, loss_chunk: int) -> Callable[[], None]:
-    """dtrain's model (parallelize on a 1×1 mesh, FSDP2 + loss parallel) and its step functions."""
+def dtrain_step(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device, dp: int, tp: int) -> Step:
+    """dtrain's model (parallelize on the dp×tp mesh of this process group) and its step functions."""
+    world = dist.get_world_size()
     config = Config(
-        model=ModelConfig(config=dict(MODEL), init="random", tokenizer=str(TOKENIZER)),
-        data=DataConfig(max_len=mb["input_ids"].shape[1]),
-        parallel=ParallelConfig(tp=1, dp_shard=1, loss_chunk=loss_chunk),
+        model=ModelConfig(config=dict(setup.model), init="random", tokenizer=str(TOKENIZER)),
+        data=DataConfig(max_len=setup.seq, packing=setup.packed),
+        parallel=ParallelConfig(tp=tp, dp_shard=dp, loss_chunk=setup.loss_chunk, compile=setup.compile),
         optim=OptimConfig(lr=LR, max_grad_norm=MAX_NORM, schedule="constant"),
-        train=TrainConfig(global_batch_size=len(mb["input_ids"]), micro_batch_size=len(mb["input_ids"])),
+        train=TrainConfig(global_batch_size=setup.batch * dp, micro_batch_size=setup.batch),
     )
-    config.train.precision = "fp32" if device.type == "cpu" else "bf16"
+    config.train.precision = setup.precision
     model_config = load_model_config(config.model)
-    shape = check_config(config, 1, model_config, files=False)
-    model = build_meta_model(model_config, packed=False)
-    parallelize(model, build_parallel(shape, device), config.parallel, config.train.precision)
+    shape = check_config(config, world, model_config, files=False)
+    model = build_meta_model(model_config, packed=setup.packed)
+    parallel = build_parallel(shape, device)
+    parallelize(model, parallel, config.parallel, config.train.precision)
     materialize(model, device, config.model, seed=0)
     optimizer = build_optimizer(model, config.optim)
     params = list(model.parameters())
-    tokens = (mb["labels"] != IGNORE).sum().float()
+    tokens = (mb["labels"] != IGNORE).sum().float() * dp  # every dp rank's batch has as many
 
     def step() -> None:
-        micro_step(model, mb, tokens, True, loss_chunk)
+        micro_step(model, mb, tokens, True, setup.loss_chunk)
         optimizer_step(optimizer, params, MAX_NORM)
 
     return step
 
 
-def timed(step: Callable[[], None], steps: int, device: torch.device) -> float:
-    """Seconds per step over `steps` steps."""
+def timed(step: Step, steps: int, device: torch.device) -> float:
+    """Seconds per step over `steps` steps (ranks start together, the slowest one counts)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -113,48 +193,184 @@ def timed(step: Callable[[], None], steps: int, device: torch.device) -> float:
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
+    seconds = torch.tensor((time.perf_counter() - start) / steps)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return seconds.item()
 
 
-def peak_gib(device: torch.device) -> float:
-    """Peak allocated memory since the last reset, GiB (nan on CPU)."""
-    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+def peak_gib(device: torch.device) -> float | None:
+    """Peak allocated memory since the last reset, GiB; None on CPU (no per-variant figure there)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=4)
+def flops(setup: Setup) -> float:
+    config = AutoConfig.for_model(**setup.model)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return flops_per_token(config, sum(p.numel() for p in model.parameters()), setup.seq)
+
+
+def measure(
+    builds: dict[str, Callable[[], Step]],
+    setup: Setup,
+    device: torch.device,
+    args: argparse.Namespace,
+    devices: int = 1,
+    dp: int = 1,
+) -> list[Result]:
+    """Build and warm up each variant (its peak memory is its own: what it adds to the memory the
+    variants built before it hold), then time them in alternating
+    rounds, so that load from elsewhere falls on every variant; the best round counts."""
+    mb = make_batch(setup, device)
+    tokens, supervised = mb["input_ids"].numel() * dp, int((mb["labels"] != IGNORE).sum()) * dp
+    steps, peaks, seconds = {}, {}, {}
+    for name, build in builds.items():
+        before = 0.0
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated() / 2**30  # the variants built before this one
+        steps[name] = build()
+        timed(steps[name], args.warmup, device)
+        peak = peak_gib(device)
+        peaks[name] = peak - before if peak is not None else None
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            seconds[name] = min(seconds.get(name, float("inf")), timed(step, args.steps, device))
+    per_token = flops(setup)
+    return [
+        Result(name, devices, seconds[name], tokens, supervised, per_token, peaks[name]) for name in steps
+    ]
+
+
+def in_process_variants(setup: Setup, device: torch.device, loss_chunk: int) -> dict[str, Callable[[], Step]]:
+    mb = make_batch(setup, device)
+    chunked = Setup(**{**asdict(setup), "loss_chunk": loss_chunk})
+    builds = {
+        "plain torch + transformers loop": lambda: plain_loop(setup, mb, device),
+        "dtrain 1x1": lambda: dtrain_step(setup, mb, device, 1, 1),
+    }
+    if loss_chunk:
+        builds[f"dtrain 1x1 loss_chunk={loss_chunk}"] = lambda: dtrain_step(chunked, mb, device, 1, 1)
+    return builds
+
+
+def run_worker(kind: str, args: argparse.Namespace, nproc: int) -> list[dict] | str:
+    """Run `python -m dtrain.bench --worker KIND` (under torchrun for a mesh); its results, or why
+    there are none."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "result.json"
+        forwarded = [f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()]
+        forwarded = [a for a in forwarded if not a.startswith(("--worker", "--out", "--meshes", "--hf"))]
+        module = ["-m", "dtrain.bench", "--worker", kind, "--out", str(out), *forwarded]
+        if kind == "trainer":
+            command = [sys.executable, *module]
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            command += [f"--nproc_per_node={nproc}", *module]
+        threads = max(1, (os.cpu_count() or 1) // nproc)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.worker_timeout)
+        if out.exists():
+            return json.loads(out.read_text())
+        return f"failed (exit {result.returncode}): {(result.stderr or result.stdout).strip()[-300:]}"
+
+
+def mesh_worker(kind: str, setup: Setup, args: argparse.Namespace) -> list[Result]:
+    """Under torchrun: dtrain on the DPxTP mesh named by `kind`, one micro-batch per dp rank."""
+    dp, tp = (int(n) for n in kind.split("x"))
+    device = init_distributed(timeout_s=300)
+    mb = make_batch(setup, device, seed=0)  # tp ranks must agree; dp ranks may too (same cost)
+    builds = {f"dtrain {kind}": lambda: dtrain_step(setup, mb, device, dp, tp)}
+    results = measure(builds, setup, device, args, devices=dist.get_world_size(), dp=dp)
+    for result in results:
+        if result.peak_gib is not None:
+            peak = torch.tensor(result.peak_gib, device=device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            result.peak_gib = peak.item()
+    return results
+
+
+def default_meshes(device: torch.device) -> list[str]:
+    """CPU: two gloo processes, dp and tp; CUDA: every GPU, all dp and half tp (when more than one)."""
+    count = torch.cuda.device_count() if device.type == "cuda" else 2
+    if count < 2:
+        return []
+    return [f"{count}x1", f"{count // 2}x2" if device.type == "cuda" else "1x2"]
+
+
+def print_table(results: list[Result | str], device: torch.device, header: str) -> list[dict]:
+    peak = peak_flops(device)
+    kind = "CPU figures (gloo)" if device.type == "cpu" else f"{torch.cuda.get_device_name(device)}"
+    print(f"{kind}; {header}")
+    columns = f"{'variant':<36}{'dev':>4}{'tokens/s':>10}{'sup tok/s':>10}{'tok/s/dev':>10}"
+    print(columns + f"{'MFU':>7}{'step ms':>9}{'peak GiB':>9}{'ratio':>7}")
+    first = next((r for r in results if isinstance(r, Result)), None)
+    rows = []
+    for result in results:
+        if isinstance(result, str):
+            print(result)
+            continue
+        row = result.row(first, peak)
+        rows.append(row)
+        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
+        memory = f"{row['peak_gib']:.2f}" if row["peak_gib"] is not None else "-"
+        print(
+            f"{row['variant']:<36}{row['devices']:>4}{row['tokens_per_s']:>10.0f}"
+            f"{row['supervised_tokens_per_s']:>10.0f}{row['tokens_per_s_per_device']:>10.0f}"
+            f"{mfu:>7}{row['step_ms']:>9.1f}{memory:>9}{row['ratio']:>7.2f}"
+        )
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4, help="rows per micro-batch (per dp rank)")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=3, help="variants alternate; the best round counts")
-    parser.add_argument("--loss-chunk", type=int, default=64, help="for the dtrain 1x1 chunked variant")
-    args = parser.parse_args(argv)
+    parser.add_argument("--loss-chunk", type=int, default=64, help="a dtrain 1x1 chunked variant; 0: none")
+    parser.add_argument("--meshes", default="default", help="comma-separated DPxTP meshes; '' for none")
+    parser.add_argument("--hf-trainer", type=int, default=1, help="1: add the HF Trainer variant")
+    parser.add_argument("--worker-timeout", type=int, default=600)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a mesh (DPxTP) or 'trainer'
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup = Setup(batch=args.batch, seq=args.seq)
+    if args.worker:
+        if args.worker == "trainer":
+            from dtrain.bench_trainer import trainer_worker
+
+            results = trainer_worker(setup, args)
+        else:
+            results = mesh_worker(args.worker, setup, args)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            args.out.write_text(json.dumps([asdict(r) for r in results]))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
     device = init_distributed(timeout_s=300)  # one process: an in-memory store, no port to take
-    mb = batch(args.batch, args.seq, device)
-    variants = {
-        "plain torch + transformers loop": lambda: plain_loop(mb, device),
-        "dtrain 1x1": lambda: dtrain_1x1(mb, device, 0),
-        f"dtrain 1x1 loss_chunk={args.loss_chunk}": lambda: dtrain_1x1(mb, device, args.loss_chunk),
-    }
-    tokens = args.batch * args.seq
-    kind = "CPU figures (gloo)" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    print(f"{kind}; batch {args.batch} x seq {args.seq}; best of {args.rounds} rounds of {args.steps} steps")
-    steps, peaks, seconds = {}, {}, {}
-    for name, build in variants.items():  # build and warm up each; its peak memory is its own
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        steps[name] = build()
-        timed(steps[name], args.warmup, device)
-        peaks[name] = peak_gib(device)
-    for _ in range(args.rounds):  # alternate, so that load from elsewhere falls on every variant
-        for name, step in steps.items():
-            seconds[name] = min(seconds.get(name, float("inf")), timed(step, args.steps, device))
-    print(f"{'variant':<36}{'tokens/s':>10}{'step ms':>10}{'peak GiB':>10}{'ratio':>8}")
-    first = tokens / next(iter(seconds.values()))
-    for name, value in seconds.items():
-        rate = tokens / value
-        print(f"{name:<36}{rate:>10.0f}{value * 1000:>10.1f}{peaks[name]:>10.2f}{rate / first:>8.2f}")
+    results: list[Result | str] = list(
+        measure(in_process_variants(setup, device, args.loss_chunk), setup, device, args)
+    )
+    if args.hf_trainer and importlib.util.find_spec("accelerate") is None:
+        results.append("HF Trainer: not run (it needs accelerate, which is not installed)")
+    elif args.hf_trainer:
+        found = run_worker("trainer", args, 1)
+        results += [Result(**r) for r in found] if isinstance(found, list) else [f"HF Trainer: {found}"]
+    meshes = default_meshes(device) if args.meshes == "default" else [m for m in args.meshes.split(",") if m]
+    for mesh in meshes:
+        dp, tp = (int(n) for n in mesh.split("x"))
+        found = run_worker(mesh, args, dp * tp)
+        results += [Result(**r) for r in found] if isinstance(found, list) else [f"dtrain {mesh}: {found}"]
+    header = f"batch {args.batch} x seq {args.seq} per dp rank, {setup.precision}; "
+    print_table(results, device, header + f"best of {args.rounds} rounds of {args.steps} steps")
 
 
 if __name__ == "__main__":

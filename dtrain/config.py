@@ -14,7 +14,8 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 PRECISIONS = ("bf16", "fp32")
-ACTIVATION_CHECKPOINTING = ("none", "full")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+RESHARD_AFTER_FORWARD = ("auto", "always", "never")
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 WANDB_MODES = ("online", "offline", "disabled")
 ESTIMATE_FORMATS = ("table", "json")
@@ -89,7 +90,11 @@ class ParallelConfig:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     loss_chunk: int = 0  # >0: lm_head + loss this many local positions at a time (less logits memory)
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str = "none"  # none | full (each decoder layer) | selective (op-level)
+    compile: bool = False  # torch.compile each decoder layer
+    # After forward, free each layer's gathered parameters: auto (all layers but the last) | always | never
+    reshard_after_forward: str = "auto"
+    fsdp_prefetch: int = 0  # > 0: all-gather this many layers ahead (forward and backward); 0: FSDP's own
     timeout_s: int = 600  # collectives give up after this, so a dead rank cannot hang the others
 
 
@@ -279,6 +284,11 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     _one_of("optim.schedule", config.optim.schedule, SCHEDULES)
     if parallel.loss_chunk < 0:
         raise ConfigError(f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 0 (0: off)")
+    _one_of("parallel.reshard_after_forward", parallel.reshard_after_forward, RESHARD_AFTER_FORWARD)
+    if parallel.fsdp_prefetch < 0:
+        raise ConfigError(
+            f"parallel.fsdp_prefetch={parallel.fsdp_prefetch}: must be >= 0 (0: FSDP's own prefetching)"
+        )
     _one_of("logging.wandb.mode", config.logging.wandb.mode, WANDB_MODES)
     _one_of("data.format", data.format, DATA_FORMATS)
     _one_of("model.init", config.model.init, ("pretrained", "random"))

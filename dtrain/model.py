@@ -3,6 +3,7 @@ straight into the sharded parameters, or a seeded init that is the same on every
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from pathlib import Path
@@ -22,7 +23,8 @@ from transformers.modeling_utils import AttentionInterface
 from dtrain.config import ConfigError, ModelConfig
 
 ATTENTION = "dtrain_causal"
-_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+# What activation checkpointing and torch.compile insert into parameter names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def causal_attention(
@@ -36,38 +38,113 @@ def causal_attention(
     position_ids: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal sdpa over the full (gathered) sequence. HF would build its mask from the local,
+    """Causal attention over the full (gathered) sequence. HF would build its mask from the local,
     sequence-sharded length, so the mask is never built (see `_no_mask`) and padding is on the right.
     Packed rows restart `position_ids` (full length: HF forwards them to here) at every document:
-    then the mask is block-diagonal causal, so no token attends across documents."""
+    then the mask is block-diagonal causal, so no token attends across documents. On CUDA packed rows
+    go through flex attention with a block mask (only the blocks that hold a document pair are
+    computed); elsewhere through sdpa with a dense mask. Both compute the same function."""
     window = kwargs.get("sliding_window")
     if window is not None and window < query.shape[-2]:  # silently attending further would change the model
         raise ValueError(
             f"the model's sliding_window={window} is shorter than the sequence ({query.shape[-2]}): "
             "dtrain's attention has no sliding window; lower data.max_len"
         )
-    mask = document_mask(position_ids) if getattr(module.config, PACKED_ROWS, False) else None
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        dropout_p=dropout,
-        is_causal=mask is None,
-        scale=scaling,
-        enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
-    )
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    packed = getattr(module.config, PACKED_ROWS, False)
+    if packed and packed_attention_backend(query.device) == "flex":
+        if dropout:
+            raise ValueError(f"attention dropout {dropout}: flex attention (packed rows on CUDA) has none")
+        block_mask = kwargs.get(BLOCK_MASK_KWARG)
+        out = flex_document_attention(query, key, value, position_ids, scaling, gqa, block_mask)
+    else:
+        mask = document_mask(position_ids) if packed else None
+        out = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            dropout_p=dropout,
+            is_causal=mask is None,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
     return out.transpose(1, 2).contiguous(), None
 
 
+def packed_attention_backend(device: torch.device) -> str:
+    """flex on CUDA (compiled Triton kernels, block-sparse); sdpa with a dense [seq, seq] mask on any
+    other device (flex has no backward on CPU)."""
+    return "flex" if device.type == "cuda" else "sdpa"
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq]: which document of its row each position belongs to (one starts at every 0)."""
+    return (position_ids == 0).cumsum(dim=-1)
+
+
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, 1, seq, seq] boolean (True: may attend): causal within each document, where a
-    document starts at every position 0. A dense mask is what sdpa takes on any device; varlen or
-    flex attention on GPU would take the same document ids (issue 8)."""
-    documents = (position_ids == 0).cumsum(dim=-1)
+    """[batch, 1, seq, seq] boolean (True: may attend): causal within each document. A dense mask is
+    what sdpa takes on any device."""
+    documents = document_ids(position_ids)
     same = documents[:, :, None] == documents[:, None, :]
     causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
     return (same & causal)[:, None]
+
+
+# The model-level forward kwarg that carries the BlockMask: HF passes unknown forward kwargs down to
+# every layer's attention function, so the mask is built once per forward, outside compiled layers.
+BLOCK_MASK_KWARG = "dtrain_block_mask"
+
+
+def document_block_mask(position_ids: torch.Tensor) -> Any:
+    """flex attention's BlockMask for causal attention within each document of each row."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    documents = document_ids(position_ids)
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
+
+    batch, seq = position_ids.shape
+    return create_block_mask(same_document_causal, batch, None, seq, seq, device=position_ids.device)
+
+
+def _attach_block_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of a packed model: build the flex BlockMask of this batch once."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None and packed_attention_backend(position_ids.device) == "flex":
+        kwargs[BLOCK_MASK_KWARG] = document_block_mask(position_ids)
+    return args, kwargs
+
+
+@functools.cache
+def _compiled_flex_attention() -> Any:
+    """Flex attention is only fast compiled (eager, it is a reference implementation)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_document_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor,
+    scale: float | None,
+    gqa: bool,
+    block_mask: Any = None,
+) -> torch.Tensor:
+    """[batch, heads, seq, head_dim] attention within documents, as sdpa with document_mask gives.
+    Compiled on CUDA (inside a compiled layer, dynamo compiles the call itself); eager elsewhere
+    (forward only: how the CPU tests compare it with sdpa)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    eager_call = query.is_cuda and not torch.compiler.is_compiling()
+    attend = _compiled_flex_attention() if eager_call else flex_attention
+    if block_mask is None:
+        block_mask = document_block_mask(position_ids)
+    return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -131,6 +208,8 @@ def build_meta_model(config: PretrainedConfig, packed: bool = False) -> nn.Modul
     setattr(config, PACKED_ROWS, packed)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, dtype=torch.float32)
+    if packed:
+        model.register_forward_pre_hook(_attach_block_mask, with_kwargs=True)
     return model
 
 
@@ -166,8 +245,10 @@ def _rope_init_functions() -> dict:
 
 
 def canonical_name(name: str) -> str:
-    """The HF name of a parameter, whatever wrappers (activation checkpointing) sit around it."""
-    return name.replace(_WRAPPER_PREFIX, "")
+    """The HF name of a parameter, whatever wrappers (activation checkpointing, compile) sit around it."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,23 +1,80 @@
-"""Performance paths that must not change numerics: the chunked vocab-parallel loss on the 2×2 mesh
-(tests/workers/perf_mesh.py, 4 gloo processes), and the planner showing its saving."""
+"""Performance paths that must not change numerics: the chunked vocab-parallel loss, selective
+activation checkpointing, per-layer resharding and FSDP prefetch on the 2×2 mesh
+(tests/workers/perf_mesh.py, 4 gloo processes); the tp=1 fast path and torch.compile on 1×1 (one
+process); flex attention on packed rows against sdpa's dense mask; the planner showing the chunked
+loss's saving; the bench's table."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import datasets
 import pytest
-from helpers import MAX_LEN, ROOT, parity_config, torchrun
+import torch
+from helpers import MAX_LEN, ROOT, TINY, parity_config, run, torchrun
 
+import dtrain.model
 from dtrain.config import ConfigError, check_config
+from dtrain.data.loader import Rows, SFTLoader
 from dtrain.estimate.planner import plan
-from dtrain.model import load_model_config
+from dtrain.model import build_meta_model, init_weights, load_model_config, reset_rotary_buffers
+
+WORKER = str(ROOT / "tests" / "workers" / "perf_mesh.py")
 
 
-def test_chunked_loss_matches_the_unchunked_loss_and_gradients_on_2x2(tmp_path):
+def test_chunked_loss_checkpointing_and_resharding_keep_the_numerics_on_2x2(tmp_path):
     done = tmp_path / "done"
-    result = torchrun(4, str(ROOT / "tests" / "workers" / "perf_mesh.py"), "--done", str(done), timeout=300)
+    result = torchrun(4, WORKER, "--done", str(done), timeout=300)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
+
+
+def test_tp1_fast_path_compile_and_selective_recomputation_on_1x1(tmp_path):
+    """One process. Inductor compiles on the CPU (g++); one compile worker, not a pool of them."""
+    done = tmp_path / "done"
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    result = run([sys.executable, WORKER, "--single", "--done", str(done)], timeout=300, env=env)
+    assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
+
+
+def test_flex_attention_on_packed_rows_matches_sdpa_with_the_document_mask(monkeypatch):
+    """The CUDA path for packed rows (flex attention, block mask from the document ids), run eagerly
+    on the CPU (forward only: flex has no CPU backward), against the sdpa path every other device
+    takes. The mask is built once per forward and reaches every layer through the forward kwargs,
+    also into compiled layers."""
+    config = load_model_config(parity_config(None, dp=1, tp=1).model)
+    config.num_key_value_heads = 2  # grouped-query attention through flex's enable_gqa
+    model = build_meta_model(config, packed=True)
+    model.to_empty(device="cpu")
+    reset_rotary_buffers(model, torch.device("cpu"))
+    init_weights(model, seed=0)
+    ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) * 7 % TINY["vocab_size"]
+    # Documents of 11 + 21 and 5 + 20 + 7 tokens: boundaries inside flex's blocks.
+    starts = [[0, 11], [0, 5, 25]]
+    positions = torch.stack(
+        [torch.cat([torch.arange(b - a) for a, b in zip(s, [*s[1:], MAX_LEN], strict=True)]) for s in starts]
+    )
+    with torch.no_grad():
+        sdpa = model(input_ids=ids, position_ids=positions).logits
+        builds = []
+        build = dtrain.model.document_block_mask
+        monkeypatch.setattr(dtrain.model, "document_block_mask", lambda p: builds.append(1) or build(p))
+        monkeypatch.setattr(dtrain.model, "packed_attention_backend", lambda device: "flex")
+        flex = model(input_ids=ids, position_ids=positions).logits
+    assert len(builds) == 1, f"block mask built {len(builds)} times for one forward"
+    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+    # As parallel.compile=true runs it on CUDA: each layer one full graph, the BlockMask an input
+    # (new documents do not recompile). aot_eager: tracing is what is checked here, not inductor.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # eager flex compiles its own helper graph
+    for index, layer in enumerate(model.model.layers):
+        model.model.layers[index] = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        compiled = model(input_ids=ids, position_ids=positions).logits
+        model(input_ids=ids, position_ids=positions.flip(0))
+    torch.testing.assert_close(compiled, sdpa, rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()  # leave no compiled code to the tests after this one
 
 
 def test_planner_shows_the_chunked_loss_saving():
@@ -33,18 +90,66 @@ def test_planner_shows_the_chunked_loss_saving():
     assert chunked.peak < unchunked.peak, (chunked.peak, unchunked.peak)
 
 
-def test_negative_loss_chunk_names_the_key():
+def test_prefetching_loader_gives_the_same_stream_and_resumes_mid_stream():
+    """The CUDA default (a thread builds the next step ahead), forced on CPU: the same micro-batches
+    as building each step on demand, also after load_state_dict with a step already built ahead."""
+    examples = datasets.Dataset.from_dict(
+        {"input_ids": [[i, i + 1, i + 2] for i in range(10)], "mask": [[0, 1, 1]] * 10}
+    )
+    rows = Rows(examples, [[i] for i in range(10)], max_len=4, pad_id=0)
+
+    def loader(prefetch: bool) -> SFTLoader:
+        return SFTLoader(rows, global_batch_size=4, micro_batch_size=2, dp_rank=1, dp_size=2, seed=3,
+                         shuffle=True, prefetch=prefetch)  # fmt: skip
+
+    def ids(step: list[dict]) -> list[list[int]]:
+        return [row for mb in step for row in mb["input_ids"].tolist()]
+
+    plain, ahead = loader(False), loader(True)
+    expected = [ids(plain.next_step()) for _ in range(6)]  # over an epoch boundary (10 rows)
+    assert [ids(ahead.next_step()) for _ in range(3)] == expected[:3]
+    state = ahead.state_dict()
+    assert ids(ahead.next_step()) == expected[3]
+    ahead.load_state_dict(state)  # back one step, while step 5 is being built ahead
+    assert [ids(ahead.next_step()) for _ in range(3)] == expected[3:]
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("loss_chunk", -1),
+        ("fsdp_prefetch", -1),
+        ("reshard_after_forward", "sometimes"),
+        ("activation_checkpointing", "partial"),
+    ],
+)
+def test_bad_perf_settings_name_the_key(key, value):
     config = parity_config(None, dp=1, tp=1)
-    config.parallel.loss_chunk = -1
-    with pytest.raises(ConfigError, match="parallel.loss_chunk=-1"):
+    setattr(config.parallel, key, value)
+    shown = repr(value) if isinstance(value, str) else value  # how _one_of and the int checks print it
+    with pytest.raises(ConfigError, match=f"parallel.{key}={shown}"):
         check_config(config, 1, load_model_config(config.model))
 
 
 def test_bench_prints_one_table_of_every_variant():
-    """Smoke only (no timed assertion): one invocation, one row per variant, ratio 1.00 for the first."""
+    """Smoke plus the table's own arithmetic (no timed assertion): one invocation, one row per
+    variant (the HF Trainer one, or why it did not run), a 2-process mesh from torchrun workers."""
     command = [sys.executable, "-m", "dtrain.bench", "--seq", "16", "--steps", "1", "--warmup", "1"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    command += ["--rounds", "1", "--meshes", "2x1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith(("plain", "dtrain"))]
-    assert len(rows) == 3 and rows[0].split()[-1] == "1.00", result.stdout
+    lines = result.stdout.splitlines()
+    rows = {
+        line[:36].strip(): line[36:].split() for line in lines if line.startswith(("plain", "dtrain", "HF"))
+    }
     assert "CPU figures" in result.stdout
+    names = ["plain torch + transformers loop", "dtrain 1x1", "dtrain 1x1 loss_chunk=64", "dtrain 2x1"]
+    assert [name for name in rows if not name.startswith("HF")] == names, result.stdout
+    assert "HF Trainer" in rows or any(line.startswith("HF Trainer: not run") for line in lines)
+    assert rows[names[0]][-1] == "1.00"
+    for name in names:
+        devices, rate, supervised, per_device, mfu, _, memory, _ = rows[name]
+        assert (mfu, memory) == ("-", "-"), name  # no peak FLOP/s and no per-variant memory on CPU
+        assert float(supervised) < float(rate), name  # prompt positions carry no targets
+        assert float(per_device) == pytest.approx(float(rate) / int(devices), abs=1), name
+    assert rows["dtrain 2x1"][0] == "2"

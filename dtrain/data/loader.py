@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import datasets
@@ -89,7 +90,12 @@ class StreamSampler(Sampler[int]):
 class SFTLoader:
     """The micro-batches of each optimizer step for one dp rank. `state_dict()` is mesh-independent:
     {"version", "epoch", "position" (rows of that epoch already used by all ranks together),
-    "rows_per_epoch", "seed", "shuffle"}."""
+    "rows_per_epoch", "seed", "shuffle"}.
+
+    On CUDA (the defaults of pin_memory and prefetch) the rows come in pinned memory, so the
+    trainer's `.to(device, non_blocking=True)` is a real asynchronous copy, and a background thread
+    builds the next step's micro-batches while this step runs. Prefetching never changes the
+    stream: the state counts the steps handed out, not the ones built ahead."""
 
     def __init__(
         self,
@@ -102,6 +108,8 @@ class SFTLoader:
         seed: int,
         shuffle: bool,
         num_workers: int = 0,
+        pin_memory: bool | None = None,
+        prefetch: bool | None = None,
     ) -> None:
         self.rows = rows
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
@@ -110,6 +118,12 @@ class SFTLoader:
         self.accumulation = global_batch_size // (micro_batch_size * dp_size)
         self.consumed = 0  # global stream position: rows handed out to all dp ranks together
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.prefetch = self.pin_memory if prefetch is None else prefetch
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtrain-prefetch") if self.prefetch else None
+        )
+        self._ahead: Future | None = None  # the next step's micro-batches, being built
 
     def __len__(self) -> int:
         """Rows per epoch."""
@@ -120,7 +134,16 @@ class SFTLoader:
         return self.consumed // len(self.rows)
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
-        """This rank's micro-batches of the next optimizer step."""
+        """This rank's micro-batches of the next optimizer step (an error building them is raised
+        here, by the step that needs them)."""
+        ahead, self._ahead = self._ahead, None
+        micro_batches = ahead.result() if ahead is not None else self._build_step()
+        self.consumed += self.global_batch_size
+        if self._pool is not None:
+            self._ahead = self._pool.submit(self._build_step)
+        return micro_batches
+
+    def _build_step(self) -> list[dict[str, torch.Tensor]]:
         if self._iterator is None:
             sampler = StreamSampler(
                 len(self.rows), self.global_batch_size, self.dp_rank, self.dp_size,
@@ -129,12 +152,20 @@ class SFTLoader:
             with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on every start
                 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
                 loader = StatefulDataLoader(
-                    self.rows, batch_size=self.micro_batch_size, sampler=sampler, num_workers=self.num_workers
+                    self.rows,
+                    batch_size=self.micro_batch_size,
+                    sampler=sampler,
+                    num_workers=self.num_workers,
+                    pin_memory=self.pin_memory,
                 )
                 self._iterator = iter(loader)
-        micro_batches = [next(self._iterator) for _ in range(self.accumulation)]
-        self.consumed += self.global_batch_size
-        return micro_batches
+        return [next(self._iterator) for _ in range(self.accumulation)]
+
+    def _drop_ahead(self) -> None:
+        """Forget the step built ahead (waiting for its thread, which uses the iterator)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.exception()  # wait; an error there belongs to a step that will be rebuilt
 
     def state_dict(self) -> dict[str, Any]:
         epoch, position = divmod(self.consumed, len(self.rows))
@@ -156,6 +187,7 @@ class SFTLoader:
                     f"data loader state: {key}={state.get(key)!r} in the checkpoint, {mine[key]!r} now; "
                     "the data, packing, train.seed or data.shuffle changed since it was saved"
                 )
+        self._drop_ahead()
         self.consumed = state["epoch"] * len(self.rows) + state["position"]
         self._iterator = None
 

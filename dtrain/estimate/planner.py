@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import logging
 import time
@@ -124,7 +125,9 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
         parallel = build_parallel(shape, CPU)  # the mesh, outside the fake mode (it holds real rank ids)
         model = build_meta_model(model_config, packed=config.data.packing)
         params_census = census(model)
-        parallelize(model, parallel, config.parallel, train.precision)
+        # The eager model is planned: torch.compile does not run under fake tensors and a fake
+        # process group (it crashes), and fused kernels only lower the activation figures.
+        parallelize(model, parallel, dataclasses.replace(config.parallel, compile=False), train.precision)
         # The meta parameters become fake ones on to_empty: allow_non_fake_inputs lets that happen.
         with FakeTensorMode(allow_non_fake_inputs=True), dtensor_meta_in_own_fake_mode():
             model.to_empty(device=CPU)

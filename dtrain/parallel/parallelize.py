@@ -1,9 +1,11 @@
-"""Apply, in this order: tensor parallel (every parameter covered) → re-tie embeddings →
-activation checkpointing → FSDP2 per decoder layer and root. Then check that every parameter is a
-DTensor on the one mesh.
+"""Apply, in this order: tensor parallel (every parameter covered; skipped at tp = 1) → re-tie
+embeddings → activation checkpointing → torch.compile per decoder layer → FSDP2 per decoder layer
+and root. Then check that every parameter is a DTensor on the one mesh.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dtrain.config import ParallelConfig
 from dtrain.distributed import Parallel
@@ -20,42 +23,113 @@ from dtrain.parallel import llama, qwen3
 # are sharded with their colwise weights); Qwen3 adds per-head q/k norms.
 TP_PLANS = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": qwen3}
 
+# activation_checkpointing=selective keeps these ops' outputs and recomputes the rest (norms,
+# activations, rotary, casts): the matmuls and attention are most of the FLOPs, the rest most of
+# the activation bytes. The reduce-scatter is saved so backward does not repeat TP's communication.
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
 
 def parallelize(model: nn.Module, parallel: Parallel, settings: ParallelConfig, precision: str) -> nn.Module:
-    """Shard a meta-device HF causal LM over the 2-D mesh, in place. Returns the same model."""
+    """Shard a meta-device HF causal LM over the mesh, in place. Returns the same model."""
     model_type = model.config.model_type
     if model_type not in TP_PLANS:
         raise ValueError(f"model type {model_type!r} has no TP plan; supported: {', '.join(TP_PLANS)}")
-    plans = TP_PLANS[model_type]
-    tied = model.config.tie_word_embeddings
+    if parallel.tp_size > 1:
+        # At tp = 1 the plan would only wrap every parameter in a DTensor over a one-rank axis, and
+        # every op would pay DTensor dispatch for nothing: FSDP alone gives the same numerics.
+        apply_tp(model, parallel, settings, TP_PLANS[model_type])
+    apply_activation_checkpointing(model, settings.activation_checkpointing)
+    if settings.compile:
+        apply_compile(model)
+    apply_fsdp(model, parallel, settings, precision)
+    check_on_mesh(model, parallel)
+    return model
 
+
+def apply_tp(model: nn.Module, parallel: Parallel, settings: ParallelConfig, plans) -> None:
     parallelize_module(
         model, parallel.tp_mesh, plans.model_plan(settings.sequence_parallel, settings.loss_parallel)
     )
     for layer in model.model.layers:
         parallelize_module(layer, parallel.tp_mesh, plans.layer_plan(settings.sequence_parallel))
     check_tp_coverage(model)
-    if tied:  # parallelize_module replaced both Parameters; both are Shard(0) over the vocabulary
+    if model.config.tie_word_embeddings:  # parallelize_module replaced both Parameters; both Shard(0)
         model.lm_head.weight = model.model.embed_tokens.weight
 
-    if settings.activation_checkpointing == "full":
-        for index, layer in enumerate(model.model.layers):
-            model.model.layers[index] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """full: keep only each decoder layer's input, recompute the layer in backward. selective: keep
+    the outputs of _SAVED_OPS too (op-level policy), recompute only the cheap ops."""
+    if mode == "none":
+        return
+    options: dict = {"preserve_rng_state": False}
+    if mode == "selective":
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+    for index, layer in enumerate(model.model.layers):
+        model.model.layers[index] = checkpoint_wrapper(layer, **options)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each decoder layer (all layers share one graph: same code, parameters as
+    inputs). The embedding, final norm, head and loss stay eager; FSDP's hooks stay outside the
+    compiled region because fully_shard wraps the compiled module."""
+    for index, layer in enumerate(model.model.layers):
+        model.model.layers[index] = torch.compile(layer, fullgraph=True)
+
+
+def apply_fsdp(model: nn.Module, parallel: Parallel, settings: ParallelConfig, precision: str) -> None:
     mp_policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if precision == "bf16" else torch.float32, reduce_dtype=torch.float32
     )
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=parallel.dp_mesh, mp_policy=mp_policy)
+    layers = list(model.model.layers)
+    for index, layer in enumerate(layers):
+        fully_shard(
+            layer,
+            mesh=parallel.dp_mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshards(settings.reshard_after_forward, index, len(layers)),
+        )
     fully_shard(model, mesh=parallel.dp_mesh, mp_policy=mp_policy)
     # The loss is already divided by the global token count: FSDP must sum, not average, over dp.
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    if settings.fsdp_prefetch > 0:
+        set_prefetch(layers, settings.fsdp_prefetch)
 
-    check_on_mesh(model, parallel)
-    return model
+
+def reshards(mode: str, index: int, num_layers: int) -> bool:
+    """Whether decoder layer `index` frees its gathered parameters after forward. auto: every layer
+    but the last, whose backward starts right after forward and would gather them again at once."""
+    if mode == "auto":
+        return index < num_layers - 1
+    return mode == "always"
+
+
+def set_prefetch(layers: list, depth: int) -> None:
+    """Explicit FSDP prefetch: forward all-gathers the next `depth` layers while one computes,
+    backward the `depth` layers before it (FSDP2's implicit default is one layer in backward)."""
+    for index, layer in enumerate(layers):
+        later = layers[index + 1 : index + 1 + depth]
+        earlier = layers[max(0, index - depth) : index][::-1]
+        if later:
+            layer.set_modules_to_forward_prefetch(later)
+        if earlier:
+            layer.set_modules_to_backward_prefetch(earlier)
 
 
 def check_tp_coverage(model: nn.Module) -> None:
@@ -67,8 +141,10 @@ def check_tp_coverage(model: nn.Module) -> None:
 
 
 def check_on_mesh(model: nn.Module, parallel: Parallel) -> None:
-    """Fail loudly if any parameter is off the training mesh."""
-    expected = tuple(parallel.mesh.mesh_dim_names)
+    """Fail loudly if any parameter is off the training mesh: the whole (dp, tp) mesh, or at tp = 1
+    (no TP applied) the dp mesh alone."""
+    mesh = parallel.mesh if parallel.tp_size > 1 else parallel.dp_mesh
+    expected = tuple(mesh.mesh_dim_names)
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):
             raise RuntimeError(f"parameter {name} is not a DTensor after parallelize")

@@ -61,8 +61,9 @@ def apply_overrides(config: object, overrides: dict) -> None:
 
 def check_sharding(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp: int, tp: int) -> None:
     """Parameters, gradients and AdamW states: DTensors on the one 2-D mesh, sharded over both axes
-    where tp shards them, each local shard at most ceil(numel / (dp·tp))."""
-    names = ("dp_shard", "tp")
+    where tp shards them, each local shard at most ceil(numel / (dp·tp)). At tp = 1 no TP is applied:
+    the mesh is the dp mesh alone."""
+    names = ("dp_shard", "tp") if tp > 1 else ("dp_shard",)
     for name, param in model.named_parameters():
         states = optimizer.state[param]
         for label, tensor in [("param", param), ("grad", param.grad), *states.items()]:
@@ -73,7 +74,7 @@ def check_sharding(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp:
                 f"{label} of {name}: {tensor.device_mesh}"
             )
             assert tensor.placements == param.placements, f"{label} of {name}: {tensor.placements}"
-        tp_sharded = isinstance(param.placements[1], Shard)
+        tp_sharded = tp > 1 and isinstance(param.placements[1], Shard)
         bound = math.ceil(param.numel() / (dp * tp if tp_sharded else dp))
         assert param.to_local().numel() <= bound, f"{name}: {param.to_local().numel()} > {bound}"
         if any(key in name for key in ("embed_tokens", "lm_head", "proj")):

@@ -1,8 +1,16 @@
-"""Launched by tests/test_perf.py under torchrun with 4 processes (gloo): the 2×2 mesh, fp32.
+"""Launched by tests/test_perf.py: under torchrun with 4 processes (gloo), the 2×2 mesh, fp32; with
+--single, one plain process (1×1).
 
-Checks, each asserting on every rank (a failure exits non-zero):
+2×2 checks, each asserting on every rank (a failure exits non-zero):
 - parallel.loss_chunk gives the loss and the gradients of the unchunked loss (1e-6), with a chunk
   that does not divide the local sequence shard (a short last chunk), in training and in eval.
+- activation_checkpointing=selective and full give the loss and gradients of no checkpointing.
+- reshard_after_forward: after a forward, exactly the layers it names are back to their dp shards
+  (auto: all but the last); with fsdp_prefetch=2 too, loss and gradients are unchanged.
+1×1 checks (--single):
+- activation_checkpointing=selective recomputes no matmul in backward; full recomputes them.
+- tp=1 applies no TP: every parameter is sharded over dp alone (one placement).
+- parallel.compile=true (inductor) gives the eager losses over steps with optimizer updates.
 """
 
 from __future__ import annotations
@@ -14,15 +22,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers import MAX_LEN, parity_config, sharded_model  # noqa: E402
 
+from dtrain.config import Config  # noqa: E402
 from dtrain.data import IGNORE  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.loss import loss_context  # noqa: E402
-from dtrain.trainer import micro_step, summed_loss  # noqa: E402
+from dtrain.model import canonical_name  # noqa: E402
+from dtrain.optim import build_optimizer  # noqa: E402
+from dtrain.trainer import micro_step, optimizer_step, summed_loss  # noqa: E402
 
 TOL = 1e-6
 
@@ -43,7 +55,7 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
 def loss_and_grads(model: torch.nn.Module, mb: dict, chunk: int) -> tuple[float, dict]:
     tokens = (mb["labels"] != IGNORE).sum().float()
     loss = micro_step(model, mb, tokens, True, chunk)
-    grads = {name: full(p.grad).clone() for name, p in model.named_parameters()}
+    grads = {canonical_name(name): full(p.grad).clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return loss.item(), grads
 
@@ -63,13 +75,111 @@ def check_chunked_loss(model: torch.nn.Module) -> None:
     assert abs(eval_chunked - eval_reference) <= TOL * abs(eval_reference), (eval_chunked, eval_reference)
 
 
+def config_with(dp: int, tp: int, **parallel: object) -> Config:
+    config = parity_config(None, dp=dp, tp=tp)
+    for key, value in parallel.items():
+        setattr(config.parallel, key, value)
+    return config
+
+
+def assert_same_loss_and_grads(reference: tuple[float, dict], other: tuple[float, dict], what: str) -> None:
+    (loss, grads), (ref_loss, ref_grads) = other, reference
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (what, loss, ref_loss)
+    for name, grad in grads.items():
+        error = ((grad - ref_grads[name]).abs().max() / ref_grads[name].abs().max()).item()
+        assert error <= TOL, (what, name, error)
+
+
+def check_activation_checkpointing(reference: tuple[float, dict], device: torch.device) -> None:
+    for mode in ("selective", "full"):
+        model = sharded_model(config_with(2, 2, activation_checkpointing=mode), device)
+        assert_same_loss_and_grads(reference, loss_and_grads(model, batch(0), 0), mode)
+
+
+def resharded_layers(model: torch.nn.Module, mb: dict) -> list[bool]:
+    """After a forward (before backward): which decoder layers hold only their dp shards again. A
+    layer's gathered parameters are DTensors on the tp mesh alone; its shards are on (dp_shard, tp)."""
+    with loss_context(True):
+        loss = summed_loss(model, mb)
+        state = [
+            all(len(p.device_mesh.mesh_dim_names) == 2 for p in layer.parameters())
+            for layer in model.model.layers
+        ]
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return state
+
+
+def check_reshard_and_prefetch(reference: tuple[float, dict], device: torch.device) -> None:
+    expected = {"auto": [True, False], "always": [True, True], "never": [False, False]}
+    for mode, resharded in expected.items():
+        model = sharded_model(config_with(2, 2, reshard_after_forward=mode, fsdp_prefetch=2), device)
+        assert resharded_layers(model, batch(2)) == resharded, (mode, resharded_layers(model, batch(2)))
+        assert_same_loss_and_grads(reference, loss_and_grads(model, batch(0), 0), mode)
+
+
+def losses(model: torch.nn.Module, config: Config, steps: int) -> list[float]:
+    optimizer = build_optimizer(model, config.optim)
+    params = list(model.parameters())
+    out = []
+    for step in range(steps):
+        mb = batch(10 + step)
+        out.append(micro_step(model, mb, (mb["labels"] != IGNORE).sum().float(), True).item())
+        optimizer_step(optimizer, params, config.optim.max_grad_norm)
+    return out
+
+
+def backward_flops(model: torch.nn.Module, mb: dict) -> int:
+    """Matmul/attention FLOPs of one backward, recomputation included."""
+    with loss_context(True):
+        loss = summed_loss(model, mb)
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def check_selective_saves_the_matmuls(device: torch.device) -> None:
+    """selective recomputes no matmul in backward (its policy saves them); full recomputes them all."""
+    flops = {
+        mode: backward_flops(
+            sharded_model(config_with(1, 1, activation_checkpointing=mode), device), batch(3)
+        )
+        for mode in ("none", "selective", "full")
+    }
+    assert flops["selective"] == flops["none"] < flops["full"], flops
+
+
+def check_single(device: torch.device) -> None:
+    config = config_with(1, 1)
+    eager = sharded_model(config, device)
+    placements = {len(p.placements) for p in eager.parameters()}
+    assert placements == {1}, f"tp=1 should shard over dp only, got {placements} placements"
+    reference = losses(eager, config, 3)
+    compiled_config = config_with(1, 1, compile=True)
+    compiled = sharded_model(compiled_config, device)
+    result = losses(compiled, compiled_config, 3)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs >= 1, "parallel.compile=true compiled no graph"
+    for step, (loss, ref) in enumerate(zip(result, reference, strict=True)):
+        assert abs(loss - ref) <= 1e-5 * abs(ref), (step, loss, ref)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--done", type=Path, required=True)
+    parser.add_argument("--single", action="store_true", help="the one-process (1×1) checks")
     args = parser.parse_args()
     device = init_distributed(timeout_s=300)
-    model = sharded_model(parity_config(None, dp=2, tp=2), device)
-    check_chunked_loss(model)
+    if args.single:
+        check_selective_saves_the_matmuls(device)
+        check_single(device)
+    else:
+        model = sharded_model(parity_config(None, dp=2, tp=2), device)
+        check_chunked_loss(model)
+        reference = loss_and_grads(model, batch(0), 0)
+        check_activation_checkpointing(reference, device)
+        check_reshard_and_prefetch(reference, device)
     dist.barrier()
     if dist.get_rank() == 0:
         args.done.write_text("ok")

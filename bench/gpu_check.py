@@ -1,0 +1,94 @@
+"""`python bench/gpu_check.py`: the device check for one lent GPU (an H200). dtrain on a 1×1 mesh vs
+the plain PyTorch + transformers loop, on a Llama-3.2-1B-shaped model (random init from
+conf/model/llama3_2_1b.yaml's architecture: nothing is downloaded), bf16, eager and compiled, with
+one document per row and with packed rows. Prints each group's rows as it finishes, then one table:
+tokens/s (all, supervised), MFU, step time, peak memory (what each variant adds), ratio to the first
+row. Meant to finish in under 8 minutes including compilation and warm-up.
+
+`--dry-run` runs the same code on the CPU with the bench's tiny model, one step each (bf16 too), so
+the script's logic is checked where no GPU is lent. Packed rows take the flex path on CUDA only."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dtrain.bench import (  # noqa: E402
+    TINY_MODEL,
+    Result,
+    Setup,
+    dtrain_step,
+    make_batch,
+    measure,
+    plain_loop,
+    print_table,
+)
+from dtrain.distributed import init_distributed  # noqa: E402
+
+MODEL_YAML = ROOT / "conf" / "model" / "llama3_2_1b.yaml"
+
+
+def llama_1b() -> dict:
+    return dict(yaml.safe_load(MODEL_YAML.read_text())["config"])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model, one step each")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=3, help="steps; the compiled variants compile here")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-compile", action="store_true", help="eager variants only")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.batch, args.seq, args.warmup, args.steps, args.rounds = 2, 64, 1, 1, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device; use --dry-run to check the script on the CPU")
+    start = time.perf_counter()
+    device = init_distributed(timeout_s=600) if not args.dry_run else torch.device("cpu")
+    if args.dry_run:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # dtrain's mesh needs a (one-process) group even on the CPU
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = dict(TINY_MODEL) if args.dry_run else llama_1b()
+    results: list[Result | str] = []
+    for compiled in (False,) if args.no_compile else (False, True):
+        for packed in (False, True):
+            setup = Setup(model, args.batch, args.seq, "bf16", packed=packed, compile=compiled)
+            mb = make_batch(setup, device)
+            label = f"{'compiled' if compiled else 'eager'}, {'packed' if packed else 'unpacked'}"
+            builds = {
+                f"plain loop, {label}": lambda s=setup, b=mb: plain_loop(s, b, device),
+                f"dtrain 1x1, {label}": lambda s=setup, b=mb: dtrain_step(s, b, device, 1, 1),
+            }
+            group = measure(builds, setup, device, args)  # the models die with `builds`' steps
+            results += group
+            print_table(group, device, f"{label}: done at {time.perf_counter() - start:.0f} s")
+            del builds, mb
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    header = f"Llama-3.2-1B shape, batch {args.batch} x seq {args.seq}, bf16" if not args.dry_run else ""
+    print()
+    print_table(results, device, (header or "dry run, tiny model") + f"; {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
