@@ -78,96 +78,103 @@ def train(
     data_wait = 0.0  # host seconds spent waiting for batches in this log interval
     tokens_seen = torch.tensor(float(progress.tokens_seen), device=device)
     guard = StepGuard(config.train, device)
-    for step in range(progress.step, config.train.max_steps):
-        if guard.preempted():  # some rank got SIGTERM/SIGUSR1 during the last step: save it, stop
-            checkpointer.save(model, optimizer, scheduler, batches, Progress(step, int(tokens_seen.item())))
-            checkpointer.wait()
-            raise Preempted(step)
-        wait_start = time.perf_counter()
-        host_batches = guard.agreed(step, batches.next_step)
-        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in host_batches]
-        data_wait += time.perf_counter() - wait_start
-        # The loss is a token mean over the whole global batch: count its targets on every dp rank
-        # (and its non-pad slots, for the padding fraction).
-        counts = sum(
-            torch.stack([(mb["labels"] != IGNORE).sum(), mb["num_tokens"].sum()]) for mb in micro_batches
-        ).float()
-        dist.all_reduce(counts, group=dp_group)
-        tokens, filled = counts[0], counts[1]
-        loss_sum = torch.zeros((), device=device)
-        for mb in micro_batches:
-            loss_sum += micro_step(
-                model, mb, tokens, config.parallel.loss_parallel, config.parallel.loss_chunk
+    try:
+        for step in range(progress.step, config.train.max_steps):
+            if guard.preempted():  # some rank got SIGTERM/SIGUSR1 during the last step: save it, stop
+                checkpointer.save(
+                    model, optimizer, scheduler, batches, Progress(step, int(tokens_seen.item()))
+                )
+                checkpointer.wait()
+                raise Preempted(step)
+            wait_start = time.perf_counter()
+            host_batches = guard.agreed(step, batches.next_step)
+            micro_batches = [
+                {k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in host_batches
+            ]
+            data_wait += time.perf_counter() - wait_start
+            # The loss is a token mean over the whole global batch: count its targets on every dp rank
+            # (and its non-pad slots, for the padding fraction).
+            counts = sum(
+                torch.stack([(mb["labels"] != IGNORE).sum(), mb["num_tokens"].sum()]) for mb in micro_batches
+            ).float()
+            dist.all_reduce(counts, group=dp_group)
+            tokens, filled = counts[0], counts[1]
+            loss_sum = torch.zeros((), device=device)
+            for mb in micro_batches:
+                loss_sum += micro_step(
+                    model, mb, tokens, config.parallel.loss_parallel, config.parallel.loss_chunk
+                )
+            guard.poison(step + 1, model)
+            lr = scheduler.get_last_lr()[0]
+            grad_norm, skipped = optimizer_step(
+                optimizer,
+                params,
+                config.optim.max_grad_norm,
+                functools.partial(guard.should_skip, step + 1, model=model),
             )
-        guard.poison(step + 1, model)
-        lr = scheduler.get_last_lr()[0]
-        grad_norm, skipped = optimizer_step(
-            optimizer,
-            params,
-            config.optim.max_grad_norm,
-            functools.partial(guard.should_skip, step + 1, model=model),
-        )
-        if not skipped:  # never an optimizer step on non-finite gradients
-            scheduler.step()
-            tokens_seen += tokens
+            if not skipped:  # never an optimizer step on non-finite gradients
+                scheduler.step()
+                tokens_seen += tokens
 
-        interval_tokens += config.train.global_batch_size * config.data.max_len
-        done = step + 1
-        if checkpointer.due(done, config.train.max_steps):
-            progress = Progress(step=done, tokens_seen=int(tokens_seen.item()))
-            checkpointer.save(model, optimizer, scheduler, batches, progress)
-        if config.train.eval_every and done % config.train.eval_every == 0:
-            eval_start = time.perf_counter()
+            interval_tokens += config.train.global_batch_size * config.data.max_len
+            done = step + 1
+            if checkpointer.due(done, config.train.max_steps):
+                progress = Progress(step=done, tokens_seen=int(tokens_seen.item()))
+                checkpointer.save(model, optimizer, scheduler, batches, progress)
+            if config.train.eval_every and done % config.train.eval_every == 0:
+                eval_start = time.perf_counter()
+                record = {
+                    "step": done,
+                    **evaluate(
+                        model,
+                        data.eval,
+                        device,
+                        config.parallel.loss_parallel,
+                        dp_group,
+                        config.parallel.loss_chunk,
+                    ),
+                }
+                history.append(record)
+                for sink in sinks:
+                    sink.write(record)
+                interval_start += time.perf_counter() - eval_start  # eval time is not training time
+            if done % config.train.log_every and done != config.train.max_steps:
+                continue
+            dist.all_reduce(loss_sum, group=dp_group)
+            elapsed = time.perf_counter() - interval_start
+            steps_in_interval = done - last_logged
+            waited = {"data_wait_s": data_wait / steps_in_interval}
+            worst = max_over_ranks({**memory_figures(device), **waited}, device)
+            supervised = int(tokens.item())
+            world = dist.get_world_size()
             record = {
                 "step": done,
-                **evaluate(
-                    model,
-                    data.eval,
-                    device,
-                    config.parallel.loss_parallel,
-                    dp_group,
-                    config.parallel.loss_chunk,
-                ),
+                "loss": (loss_sum / tokens).item(),
+                "grad_norm": grad_norm.item(),
+                "lr": lr,
+                "tokens": supervised,
+                "padding_fraction": 1.0
+                - filled.item() / (config.train.global_batch_size * config.data.max_len),
+                "tokens_per_s": supervised * steps_in_interval / elapsed,
+                "input_tokens_per_s": interval_tokens / elapsed,
+                "input_tokens_per_s_per_device": interval_tokens / elapsed / world,
+                "step_time_s": elapsed / steps_in_interval,
+                **worst,
+                "mfu": flops * interval_tokens / elapsed / (peak * world) if peak else None,
+                "skipped_steps": guard.skipped,
             }
             history.append(record)
             for sink in sinks:
                 sink.write(record)
-            interval_start += time.perf_counter() - eval_start  # eval time is not training time
-        if done % config.train.log_every and done != config.train.max_steps:
-            continue
-        dist.all_reduce(loss_sum, group=dp_group)
-        elapsed = time.perf_counter() - interval_start
-        steps_in_interval = done - last_logged
-        waited = {"data_wait_s": data_wait / steps_in_interval}
-        worst = max_over_ranks({**memory_figures(device), **waited}, device)
-        supervised = int(tokens.item())
-        world = dist.get_world_size()
-        record = {
-            "step": done,
-            "loss": (loss_sum / tokens).item(),
-            "grad_norm": grad_norm.item(),
-            "lr": lr,
-            "tokens": supervised,
-            "padding_fraction": 1.0 - filled.item() / (config.train.global_batch_size * config.data.max_len),
-            "tokens_per_s": supervised * steps_in_interval / elapsed,
-            "input_tokens_per_s": interval_tokens / elapsed,
-            "input_tokens_per_s_per_device": interval_tokens / elapsed / world,
-            "step_time_s": elapsed / steps_in_interval,
-            **worst,
-            "mfu": flops * interval_tokens / elapsed / (peak * world) if peak else None,
-            "skipped_steps": guard.skipped,
-        }
-        history.append(record)
-        for sink in sinks:
-            sink.write(record)
-        interval_start, interval_tokens, last_logged, data_wait = time.perf_counter(), 0, done, 0.0
+            interval_start, interval_tokens, last_logged, data_wait = time.perf_counter(), 0, done, 0.0
 
-    checkpointer.wait()
-    guard.close()
-    if config.checkpoint.export_hf:
-        export_hf(model, tokenizer, run_dir / "hf", config.checkpoint.export_dtype)
-    for sink in sinks:
-        sink.close()
+        checkpointer.wait()
+        if config.checkpoint.export_hf:
+            export_hf(model, tokenizer, run_dir / "hf", config.checkpoint.export_dtype)
+    finally:  # also when the run fails: a sweep goes on in this process with the next job
+        guard.close()
+        for sink in sinks:
+            sink.close()
     return RunResult(history, model, optimizer)
 
 
