@@ -7,6 +7,7 @@ Each entry point registers its own schema: dtrain.sft the training `Config`, dtr
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -14,7 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
 from dtrain.config import Config, ConfigError
 
@@ -56,3 +60,37 @@ def fail(message: str, code: int = EXIT_CONFIG_ERROR, prefix: str = "error: ") -
     else:
         time.sleep(FAIL_GRACE_S)
     sys.exit(code)
+
+
+class JobFailed(Exception):
+    """A sweep job that failed alike on every rank: Hydra records it and goes on (or see below)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class JobStatusCallback(Callback):
+    """Hydra's verdict on each job, written by rank 0 to JOB_DIR/job_status.yaml (status,
+    overrides, error). With train.sweep_on_failure=stop a failed job ends the sweep here, once
+    its status is on disk."""
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: object) -> None:
+        error = job_return._return_value if job_return.status == JobStatus.FAILED else None
+        if int(os.environ.get("RANK", "0")) == 0:
+            status = {
+                "status": job_return.status.name,
+                "job": config.hydra.job.get("num"),
+                "overrides": list(job_return.overrides or []),
+                "error": None if error is None else f"{type(error).__name__}: {error}",
+            }
+            out = Path(config.hydra.runtime.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "job_status.yaml").write_text(OmegaConf.to_yaml(status))
+            if error is not None and config.hydra.mode == RunMode.MULTIRUN:
+                logging.getLogger("dtrain").error(
+                    f"job {status['job']} ({' '.join(status['overrides'])}) failed: {error}"
+                )
+        stop = OmegaConf.select(config, "train.sweep_on_failure", default="continue") == "stop"
+        if error is not None and stop and config.hydra.mode == RunMode.MULTIRUN:
+            fail(f"{error} (train.sweep_on_failure=stop: the sweep ends here)", getattr(error, "code", 1))

@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+SWEEP_ON_FAILURE = ("continue", "stop")
 PRECISIONS = ("bf16", "fp32")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 RESHARD_AFTER_FORWARD = ("auto", "always", "never")
@@ -120,6 +121,7 @@ class TrainConfig:
     nonfinite: str = "skip"  # a step with non-finite gradients: skip it, or abort the run
     max_skips: int = 5  # abort when more than this many steps in a row were skipped
     eval_every: int = 0  # steps between eval_loss lines; 0: no eval
+    sweep_on_failure: str = "continue"  # --multirun: a failed job is recorded and the sweep goes on, or stops
 
 
 @dataclass
@@ -280,6 +282,7 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
 
     _one_of("train.precision", train.precision, PRECISIONS)
     _one_of("train.nonfinite", train.nonfinite, ("skip", "abort"))
+    _one_of("train.sweep_on_failure", train.sweep_on_failure, SWEEP_ON_FAILURE)
     _one_of("parallel.activation_checkpointing", parallel.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _one_of("optim.schedule", config.optim.schedule, SCHEDULES)
     if parallel.loss_chunk < 0:

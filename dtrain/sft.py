@@ -7,7 +7,9 @@ exists, so a bad value fails on every rank at once with one message and exit cod
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -15,12 +17,15 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from submitit.helpers import TorchDistributedEnvironment
 
 from dtrain.checkpoint import CheckpointError, checkpoint_dir, find_resume_path, other_run_in
-from dtrain.cli import fail, register
+from dtrain.cli import EXIT_CONFIG_ERROR, JobFailed, fail, register, run_id
 from dtrain.config import Config, ConfigError, check_config, to_config, world_size_from_env
 from dtrain.distributed import init_distributed, rank_from_env, shutdown
+from dtrain.metrics import log
 from dtrain.model import load_model_config
 from dtrain.reliability import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted, RankFailure
 
@@ -30,7 +35,13 @@ register(Config, lambda: "bf16" if torch.cuda.is_available() else "fp32")
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
+    if os.environ.get("SUBMITIT_EXECUTOR"):  # hydra/launcher=submitit_*: a task per device, no torchrun
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     is_rank0 = rank_from_env() == 0
+    if not is_rank0:
+        quiet_this_rank()
+    sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
+    end = functools.partial(end_job, sweeping)
     try:
         config = to_config(cfg)
         model_config = load_model_config(config.model)
@@ -45,7 +56,7 @@ def hydra_main(cfg: DictConfig) -> None:
             )
         resume_from = None if conflict else find_resume_path(config.checkpoint, checkpoints)
     except ConfigError as error:
-        fail(str(error))
+        end(str(error))
 
     from dtrain.trainer import train  # after validation: a bad config should not wait on imports
 
@@ -58,14 +69,47 @@ def hydra_main(cfg: DictConfig) -> None:
     try:
         train(config, shape, model_config, device, run_dir, resolved, resume_from)
     except (ConfigError, CheckpointError, RankFailure) as error:  # raised alike on every rank
-        fail(str(error))
+        end(str(error))
     except Preempted as preempted:
-        fail(str(preempted), EXIT_PREEMPTED, prefix="")
+        fail(str(preempted), EXIT_PREEMPTED, prefix="")  # the whole sweep stops: the machine goes
     except NonFiniteError as error:
-        fail(str(error), EXIT_NONFINITE)
+        end(str(error), EXIT_NONFINITE)
+    except Exception:
+        if not sweeping:
+            raise
+        # Raised on this rank alone: the others may wait in a collective. End the process, so
+        # torchrun stops them all, rather than let Hydra start the next job on this rank only.
+        log.exception("dtrain: this rank failed")
+        fail(f"rank {rank_from_env()} failed (traceback above); the sweep stops", 1)
+    finally:
+        if os.environ.get("SUBMITIT_EXECUTOR"):
+            shutdown()  # each submitit job is its own processes and process group
+
+
+def end_job(sweeping: bool, message: str, code: int = EXIT_CONFIG_ERROR) -> None:
+    """Every rank failed this job alike. A single run ends the process; in a sweep Hydra records
+    the job as failed and goes on with the next one (train.sweep_on_failure; see JobStatusCallback)."""
+    if sweeping:
+        raise JobFailed(message, code)
+    fail(message, code)
+
+
+def quiet_this_rank() -> None:
+    """Rank 0 speaks for all: the others log errors only, and not into rank 0's log file (the
+    torchrun ranks already ran Hydra without one, see main; submitit tasks did not)."""
+    logging.getLogger("dtrain").setLevel(logging.ERROR)
+    for handler in list(logging.root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            logging.root.removeHandler(handler)
 
 
 def main() -> None:
+    try:
+        # Pin the run id now, in the process that launches: submitit jobs of a sweep then share it
+        # (and the sweep folder) instead of each naming the sweep after its own SLURM job.
+        os.environ.setdefault("DTRAIN_RUN_ID", run_id())
+    except ConfigError as error:
+        fail(str(error))
     if rank_from_env() != 0:  # quiet unless something is wrong; rank 0 speaks for all
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
         logging.getLogger("dtrain").setLevel(logging.ERROR)
