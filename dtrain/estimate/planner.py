@@ -26,6 +26,7 @@ from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked
 from dtrain.model import build_meta_model, load_model_config, reset_rotary_buffers
 from dtrain.optim import build_optimizer
 from dtrain.parallel.parallelize import parallelize
+from dtrain.parallel.vocab import pad_vocab, padded_vocab_size
 from dtrain.trainer import micro_step, optimizer_step
 
 CPU = torch.device("cpu")
@@ -123,7 +124,8 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
     with fake_process_group(world_size):
         parallel = build_parallel(shape, CPU)  # the mesh, outside the fake mode (it holds real rank ids)
         model = build_meta_model(model_config, packed=config.data.packing)
-        params_census = census(model)
+        params_census = census(model)  # the real vocabulary, as DeepSpeed would hold it
+        pad_vocab(model, padded_vocab_size(model_config.vocab_size, shape.tp))
         parallelize(model, parallel, config.parallel, train.precision)
         # The meta parameters become fake ones on to_empty: allow_non_fake_inputs lets that happen.
         with FakeTensorMode(allow_non_fake_inputs=True), dtensor_meta_in_own_fake_mode():
