@@ -83,9 +83,17 @@ def mask_padded_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if not isinstance(logits, DTensor):
         columns = torch.arange(logits.shape[-1], device=logits.device)
         return logits.masked_fill(columns >= vocab_size, float("-inf"))
-    _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
-    local = logits.to_local()
-    columns = torch.arange(local.shape[-1], device=local.device) + offset[-1]
+    local, mesh, last = logits.to_local(), logits.device_mesh, logits.ndim - 1
+    # The padded vocabulary splits evenly, so this rank's columns start at its index among the
+    # mesh dimensions that shard them, times the local width. (Plain ints from the mesh: the
+    # planner runs this under FakeTensorMode, where torch's offset helper reads a tensor.)
+    index, parts = 0, 1
+    for dim, placement in enumerate(logits.placements):
+        if placement.is_shard(last):
+            index, parts = index * mesh.size(dim) + mesh.get_local_rank(dim), parts * mesh.size(dim)
+    if local.shape[-1] * parts != logits.shape[-1]:
+        raise RuntimeError(f"padded logits {tuple(logits.shape)} do not split evenly: {logits.placements}")
+    columns = torch.arange(local.shape[-1], device=local.device) + index * local.shape[-1]
     local = local.masked_fill(columns >= vocab_size, float("-inf"))
     return DTensor.from_local(
         local,
