@@ -136,3 +136,16 @@ def test_export_strips_the_padding_and_loads_in_transformers(out, runs, folder, 
     with torch.no_grad():
         logits = model(input_ids=fixed_batch()).logits
     assert relative_error(logits, runs[name]["logits"][..., :VOCAB]) < RTOL
+
+
+def test_planner_counts_the_padded_rows():
+    from dtrain.estimate.planner import plan
+
+    config = parity_config(None, dp=2, tp=2)
+    config.model.config["vocab_size"] = VOCAB
+    layers = plan(config, world_size=4).layers
+    hidden = TINY["hidden_size"]
+    for name in ("embedding", "lm_head"):
+        assert layers[name]["total"] == PADDED * hidden * 4, name  # fp32 master weights
+        # tp=2 splits the 1026 rows evenly (513 each), FSDP's dp=2 into 257 + 256 (its storage: 257)
+        assert layers[name]["local"] == -(-(PADDED // 2) // 2) * hidden * 4, name
