@@ -31,7 +31,8 @@ def padded_vocab_size(vocab_size: int, tp: int, saved: int | None = None) -> int
     if saved is not None and saved >= vocab_size:
         if saved % tp:
             raise ConfigError(
-                f"the checkpoint's vocabulary is padded to {saved} rows (model vocab_size={vocab_size}), "
+                f"the resumed checkpoint (checkpoint.resume) has its vocabulary padded to {saved} rows "
+                f"(model vocab_size={vocab_size}), "
                 f"which parallel.tp={tp} does not divide: resume with a tp that divides {saved}"
             )
         rows = saved
