@@ -1,7 +1,7 @@
 """Vocabularies that tp does not divide (dtrain.parallel.vocab): 1025 = 1024 + one added token, at
 tp=2 on a 2x2 mesh, padded to 1026 rows. The training runs (tests/workers/vocab_runs.py) must give
-the unpadded single-process Hugging Face model's losses, gradient norms and weights, with the plain
-and the chunked loss and with tied embeddings; resume from the padded checkpoint on another mesh;
+the unpadded single-process Hugging Face model's losses, gradient norms and weights, untied with
+the plain loss and tied with the chunked loss; resume from the padded checkpoint on another mesh;
 and export folders that `from_pretrained` loads with 1025 rows and the trained model's logits."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dtrain.model import build_meta_model, load_model_config
 from dtrain.parallel.vocab import mask_padded_logits, padded_vocab_size
 
 VOCAB, PADDED = 1025, 1026  # the tokenizer's 1024 tokens and one added; tp=2 pads one row
-RUNS = {"pad": "untied", "pad_chunk": "untied", "pad_tied": "tied"}
-STEPS, CHECKPOINT = 6, 3  # as in the worker
+RUNS = {"pad": "untied", "pad_tied_chunk": "tied"}  # the second with parallel.loss_chunk
+STEPS, CHECKPOINT = 5, 3  # as in the worker
 # AdamW turns float noise on a gradient element that is ~0 in exact arithmetic into an lr-sized
 # step: on this model one element, embed_tokens[521, 45], ends 3e-5 (relative) off the reference on
 # the padded 2x2 mesh and 1.2e-5 off on the *unpadded* 2x1 mesh; every other element is within 1e-6.
@@ -125,7 +125,7 @@ def test_resume_from_the_padded_checkpoint_on_another_tp(runs):
 
 
 @pytest.mark.parametrize(
-    "folder,name", [("pad/hf", "pad"), ("pad_tied/hf", "pad_tied"), ("hf_checkpoint", "pad")]
+    "folder,name", [("pad/hf", "pad"), ("pad_tied_chunk/hf", "pad_tied_chunk"), ("hf_checkpoint", "pad")]
 )
 def test_export_strips_the_padding_and_loads_in_transformers(out, runs, folder, name):
     model = AutoModelForCausalLM.from_pretrained(

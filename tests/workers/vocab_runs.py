@@ -1,7 +1,8 @@
 """Launched by tests/test_vocab.py under torchrun (4 processes): tiny Llamas whose vocabulary tp=2
-does not divide, trained on a 2x2 mesh (plain loss, chunked loss, tied), resumed from the padded
-checkpoint on 4x1, exported at the end of training and from a checkpoint. Rank 0 saves
-`<out>/<name>.pt` with the history, the trained parameters and the trained model's logits."""
+does not divide, trained on a 2x2 mesh (untied with the plain loss, tied with the chunked loss),
+resumed from the padded checkpoint on 4x1, exported at the end of training and from a checkpoint.
+Rank 0 saves `<out>/<name>.pt` with the history, the trained parameters and the trained model's
+logits."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dtrain.export import export_checkpoint  # noqa: E402
 from dtrain.model import canonical_name, load_model_config  # noqa: E402
 from dtrain.trainer import train  # noqa: E402
 
-STEPS, CHECKPOINT = 6, 3  # (the suite's time budget) a checkpoint halfway, resumed on another mesh
+STEPS, CHECKPOINT = 5, 3  # (the suite's time budget) a checkpoint halfway, resumed on another mesh
 
 
 def run(
@@ -57,9 +58,21 @@ def main() -> None:
     out = args.out
     device = init_distributed(timeout_s=300)
     results = {
-        "pad": run("pad", out, args.untied, 2, 2, device, export=True, checkpoint__every=CHECKPOINT),
-        "pad_chunk": run("pad_chunk", out, args.untied, 2, 2, device, parallel__loss_chunk=8),
-        "pad_tied": run("pad_tied", out, args.tied, 2, 2, device, export=True),
+        "pad": run(
+            "pad",
+            out,
+            args.untied,
+            2,
+            2,
+            device,
+            export=True,
+            checkpoint__every=CHECKPOINT,
+            checkpoint__save_final=True,
+        ),
+        # tied and the chunked loss in one run (the suite's time budget); 16 local positions, 2 chunks
+        "pad_tied_chunk": run(
+            "pad_tied_chunk", out, args.tied, 2, 2, device, export=True, parallel__loss_chunk=8
+        ),
     }
     # The padded (2x2) checkpoint resumed on tp=1, which keeps its padded rows.
     checkpoints = out / "pad" / "checkpoints"
