@@ -330,7 +330,8 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     if not (config.model.tokenizer or config.model.name_or_path):
         raise ConfigError("model.tokenizer: needed when model.name_or_path is not set")
 
-    for key in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+    # vocab_size need not divide: the embedding and lm_head are padded (dtrain.parallel.vocab).
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(model_config, key)
         if value % shape.tp:
             raise ConfigError(f"model {key}={value} is not divisible by parallel.tp={shape.tp}")

@@ -35,6 +35,7 @@ from dtrain.model import (
     load_model_config,
     resolve_model_path,
 )
+from dtrain.parallel import vocab
 
 log = logging.getLogger("dtrain")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -47,6 +48,9 @@ def export_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, d
         shutil.rmtree(partial)
     dist.barrier()
     state = {name: tensor.detach().to(DTYPES[dtype]) for name, tensor in hf_state_dict(model).items()}
+    # Back to config.vocab_size rows; in the model's order on every rank (collectives), not a set's.
+    for name in [name for name in vocab.padded_params(model) if name in state]:
+        state[name] = vocab.strip_padding(state[name], model.config.vocab_size)
     writer = HuggingFaceStorageWriter(str(partial), save_distributed=True, enable_consolidation=True)
     dcp.save(state, storage_writer=writer)
     if dist.get_rank() == 0:
@@ -98,7 +102,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str) -> None:
     world = dist.get_world_size()
     parallel = build_parallel(MeshShape(1, world, 1), device)
     config.parallel.tp, config.parallel.dp_shard = 1, world
-    model = build_meta_model(model_config)
+    model = build_meta_model(model_config, vocab_rows=vocab.saved_vocab_rows(checkpoint))  # padded as saved
     parallelize(model, parallel, config.parallel, "fp32")
     model.to_empty(device=device)  # every weight comes from the checkpoint
     reset_rotary_buffers(model, device)

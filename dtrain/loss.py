@@ -24,7 +24,9 @@ def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token losses as a plain tensor (a DTensor loss is replicated: take the local value)."""
+    """Sum of token losses as a plain tensor (a DTensor loss is replicated: take the local value).
+    A vocabulary padded for tp (dtrain.parallel.vocab) arrives with its padded columns at -inf, set
+    by lm_head's own hook, so this and the chunked path below see only the real vocabulary."""
     loss = F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"
     )

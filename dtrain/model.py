@@ -21,6 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from dtrain.config import ConfigError, ModelConfig
+from dtrain.parallel import vocab
 
 ATTENTION = "dtrain_causal"
 # What activation checkpointing and torch.compile insert into parameter names.
@@ -200,14 +201,19 @@ def load_model_config(settings: ModelConfig, offline: bool = False) -> Pretraine
 PACKED_ROWS = "dtrain_packed_rows"  # a config attribute: rows may hold several documents
 
 
-def build_meta_model(config: PretrainedConfig, packed: bool = False) -> nn.Module:
+def build_meta_model(
+    config: PretrainedConfig, packed: bool = False, vocab_rows: int | None = None
+) -> nn.Module:
     """The model on the meta device. `packed` (data.packing) turns on the document mask: a setting,
-    not a test of each batch, so no step waits on the device to decide it."""
+    not a test of each batch, so no step waits on the device to decide it. `vocab_rows`
+    (vocab.padded_vocab_size) pads the embedding and lm_head for a tp that vocab_size is not a
+    multiple of."""
     config._attn_implementation = ATTENTION
     config.use_cache = False
     setattr(config, PACKED_ROWS, packed)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, dtype=torch.float32)
+    vocab.pad_vocab(model, vocab_rows or config.vocab_size)
     if packed:
         model.register_forward_pre_hook(_attach_block_mask, with_kwargs=True)
     return model
@@ -265,7 +271,10 @@ def load_hf_weights(model: nn.Module, folder: str) -> None:
     if not files:
         raise ConfigError(f"model.name_or_path={folder!r}: no *.safetensors files to load")
     state = hf_state_dict(model)
+    # Padded vocabulary matrices have more rows than the files: read by hand, the rest by DCP.
+    padded = {name: state.pop(name) for name in vocab.padded_params(model) if name in state}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(folder))
+    vocab.load_padded_rows(padded, files, model.config.vocab_size)
 
 
 def local_slices(param: torch.Tensor) -> tuple[slice, ...]:
@@ -282,6 +291,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
     generator keyed on (seed, name) over the full shape, so the weights do not depend on the mesh.
     Only one full parameter exists at a time, on the CPU."""
     std = model.config.initializer_range
+    padded = {id(p) for p in vocab.padded_params(model).values()}
     for name, param in model.named_parameters():
         name = canonical_name(name)
         local = param.to_local() if isinstance(param, DTensor) else param
@@ -292,5 +302,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
             local.zero_()
             continue
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = torch.empty(param.shape).normal_(0.0, std, generator=generator)
+        rows = model.config.vocab_size if id(param) in padded else param.shape[0]  # padded rows: zeros
+        full = torch.empty(rows, *param.shape[1:]).normal_(0.0, std, generator=generator)
+        full = vocab.pad_rows(full, param.shape[0]) if rows != param.shape[0] else full
         local.copy_(full[local_slices(param)])

@@ -24,6 +24,7 @@ from dtrain.metrics import count_parameters, flops_per_token, log, memory_figure
 from dtrain.model import build_meta_model, materialize, resolve_model_path
 from dtrain.optim import build_optimizer, build_scheduler, clip_grads, global_grad_norm
 from dtrain.parallel.parallelize import parallelize
+from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
 from dtrain.reliability import Preempted, StepGuard
 
 
@@ -49,7 +50,8 @@ def train(
     parallel = build_parallel(shape, device)
     torch.manual_seed(config.train.seed)
 
-    model = build_meta_model(model_config, packed=config.data.packing)
+    vocab_rows = padded_vocab_size(model_config.vocab_size, shape.tp, saved_vocab_rows(resume_from))
+    model = build_meta_model(model_config, packed=config.data.packing, vocab_rows=vocab_rows)
     parallelize(model, parallel, config.parallel, config.train.precision)
     materialize(model, device, config.model, config.train.seed)
     model.train()

@@ -112,10 +112,12 @@ def sharded_model(config: Config, device: torch.device) -> torch.nn.Module:
     from dtrain.distributed import build_parallel
     from dtrain.model import build_meta_model, load_model_config, materialize
     from dtrain.parallel.parallelize import parallelize
+    from dtrain.parallel.vocab import padded_vocab_size
 
     model_config = load_model_config(config.model)
     shape = check_config(config, torch.distributed.get_world_size(), model_config)
-    model = build_meta_model(model_config, packed=config.data.packing)
+    rows = padded_vocab_size(model_config.vocab_size, shape.tp)
+    model = build_meta_model(model_config, packed=config.data.packing, vocab_rows=rows)
     parallelize(model, build_parallel(shape, device), config.parallel, config.train.precision)
     materialize(model, device, config.model, seed=config.train.seed)
     return model

@@ -22,7 +22,6 @@ BAD_CONFIGS = [
         2,
         "num_key_value_heads=3 is not divisible by parallel.tp=2",
     ),
-    (["model.config.vocab_size=1025"], 2, "vocab_size=1025 is not divisible by parallel.tp=2"),
     (["data.max_len=33"], 2, "data.max_len=33 is not divisible by parallel.tp=2"),
     (["data.path=/nonexistent.jsonl"], 2, "data.path='/nonexistent.jsonl': no such file"),
     (["parallel.tp=1", "train.precision=fp16"], 1, "train.precision='fp16': must be one of bf16, fp32"),

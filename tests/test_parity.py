@@ -58,7 +58,7 @@ def mesh_runs(models, tmp_path_factory):
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 
 
-def reference_run(model_dir):
+def reference_run(model_dir, steps: int = STEPS):
     """Single process, plain HF model and torch AdamW, one micro-batch of the whole global batch."""
     config = parity_config(model_dir, dp=1, tp=1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
@@ -70,7 +70,7 @@ def reference_run(model_dir):
         betas=config.optim.betas,
         eps=config.optim.eps,
     )
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=STEPS)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=steps)
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     # dtrain's loader gives the global batches (the stream is mesh-independent: see test_data.py).
     one_batch = TrainConfig(
@@ -78,7 +78,7 @@ def reference_run(model_dir):
     )
     batches = build_data(config.data, one_batch, tokenizer, dp_rank=0, dp_size=1).train
     losses, norms = [], []
-    for _ in range(STEPS):
+    for _ in range(steps):
         (batch,) = batches.next_step()
         logits = model(input_ids=batch["input_ids"], use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)

@@ -27,6 +27,7 @@ from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked
 from dtrain.model import build_meta_model, load_model_config, reset_rotary_buffers
 from dtrain.optim import build_optimizer
 from dtrain.parallel.parallelize import parallelize
+from dtrain.parallel.vocab import pad_vocab, padded_vocab_size
 from dtrain.trainer import micro_step, optimizer_step
 
 CPU = torch.device("cpu")
@@ -124,7 +125,8 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
     with fake_process_group(world_size):
         parallel = build_parallel(shape, CPU)  # the mesh, outside the fake mode (it holds real rank ids)
         model = build_meta_model(model_config, packed=config.data.packing)
-        params_census = census(model)
+        params_census = census(model)  # the real vocabulary, as DeepSpeed would hold it
+        pad_vocab(model, padded_vocab_size(model_config.vocab_size, shape.tp))
         # The eager model is planned: torch.compile does not run under fake tensors and a fake
         # process group (it crashes), and fused kernels only lower the activation figures.
         parallelize(model, parallel, dataclasses.replace(config.parallel, compile=False), train.precision)
