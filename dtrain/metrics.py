@@ -15,6 +15,7 @@ from typing import Any, Protocol, TextIO
 from urllib.parse import urlparse
 
 import torch
+from hydra.types import RunMode
 from torch import nn
 
 from dtrain.config import Config, WandbConfig
@@ -116,7 +117,10 @@ def hydra_context() -> dict[str, Any]:
     if not HydraConfig.initialized():
         return {}
     hydra = HydraConfig.get()
-    return {"overrides": list(hydra.overrides.task), "experiment": hydra.runtime.choices.get("experiment")}
+    context = {"overrides": list(hydra.overrides.task), "experiment": hydra.runtime.choices.get("experiment")}
+    if hydra.mode == RunMode.MULTIRUN:
+        context |= {"sweep": Path(hydra.sweep.dir).name, "job": hydra.job.num}
+    return context
 
 
 class WandbSink:
@@ -133,13 +137,14 @@ class WandbSink:
                 f"{run_dir / 'wandb'}; upload it later with `wandb sync`"
             )
             mode = "offline"
+        context = hydra_context()
         init = dict(
             project=settings.project,
             entity=settings.entity,
             name=settings.name,
-            group=settings.group,
+            group=settings.group or context.get("sweep"),  # a sweep's jobs side by side
             tags=list(settings.tags),
-            config={**config, "hydra": hydra_context()},
+            config={**config, "hydra": context},
             dir=str(run_dir),
         )
         try:
