@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -167,3 +168,26 @@ def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: 
         text=True,
         timeout=timeout,
     )
+
+
+def wandb_records(path: Path):
+    """The records of a W&B transaction log (`run-*.wandb`): LevelDB's log format of 32 KiB blocks,
+    each record a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and a
+    protobuf `Record`. Read independently of wandb's own (Go) reader."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, header = path.read_bytes(), 32768, 7
+    assert data[:4] == b":W&B", path
+    position, pending = header, b""
+    while position + header <= len(data):
+        if block - position % block < header:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + header])
+        pending += data[position + header : position + header + length]
+        position += header + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record

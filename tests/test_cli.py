@@ -45,7 +45,9 @@ def test_bad_config_fails_fast_with_its_message(tmp_path, overrides, nproc, mess
 def test_readme_command_trains_the_embedded_default(tmp_path):
     readme = (ROOT / "README.md").read_text()
     assert "./launch/local.sh\n" in readme
-    result = run(["./launch/local.sh", f"hydra.run.dir={tmp_path}"], timeout=600, env={"NPROC": "4"})
+    logs = tmp_path / "rank_logs"
+    env = {"NPROC": "4", "LOG_DIR": str(logs)}
+    result = run(["./launch/local.sh", f"hydra.run.dir={tmp_path}"], timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-4000:]
     records = read_metrics(tmp_path)
     for key in (
@@ -66,3 +68,7 @@ def test_readme_command_trains_the_embedded_default(tmp_path):
     assert "tp: 2" in config and "${" not in config  # resolved
     assert (tmp_path / ".hydra").is_dir()
     assert (tmp_path / "sft.log").read_text().count("step 60/60") == 1  # rank 0 alone writes the log
+    # Rank 0 keeps the console; ranks 1-3 write their own files, quiet unless something is wrong.
+    assert "step 60/60" in result.stdout
+    rank_dirs = sorted(path.parent.name for path in logs.glob("*/attempt_0/*/stderr.log"))
+    assert rank_dirs == ["1", "2", "3"]

@@ -7,13 +7,12 @@ from __future__ import annotations
 import io
 import json
 import shutil
-import struct
 import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
-from helpers import read_metrics, run, torchrun
+from helpers import read_metrics, run, torchrun, wandb_records
 
 from dtrain.metrics import ConsoleSink, wandb_credentials
 
@@ -35,29 +34,6 @@ FIGURES = [
     "skipped_steps",
 ]
 CUDA_ONLY = ["mfu", "mem_reserved_gib", "alloc_retries"]  # no peak FLOP/s or caching allocator on CPU
-
-
-def wandb_records(path: Path):
-    """The records of a W&B transaction log (`run-*.wandb`): LevelDB's log format of 32 KiB blocks,
-    each record a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and a
-    protobuf `Record`. Read independently of wandb's own (Go) reader."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, block, header = path.read_bytes(), 32768, 7
-    assert data[:4] == b":W&B", path
-    position, pending = header, b""
-    while position + header <= len(data):
-        if block - position % block < header:  # a block's tail too short for a header is padding
-            position += block - position % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[position : position + header])
-        pending += data[position + header : position + header + length]
-        position += header + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
 
 
 @pytest.fixture(scope="module")

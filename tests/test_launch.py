@@ -1,0 +1,151 @@
+"""Launching: a Hydra sweep under torchrun (one process group, a folder per job, failed jobs
+recorded), the same sweep through submitit_local with 2 tasks per job, two "nodes" on loopback
+with c10d rendezvous, and the launch/ scripts. Every curve is checked against a run of the same
+world size launched another way."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import ROOT, read_metrics, run, torchrun, wandb_records
+
+# Two ranks, dp=2, a curve that moves from step 1 (no warm-up) and two schedules to tell jobs apart.
+COMMON = ["train.max_steps=3", "train.log_every=1", "optim.warmup_steps=0", "parallel.tp=1"]
+
+
+def sft(*overrides: str) -> list[str]:
+    return ["-m", "dtrain.sft", *COMMON, *overrides]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [record["loss"] for record in read_metrics(run_dir)]
+
+
+def status(job_dir: Path) -> dict:
+    return yaml.safe_load((job_dir / "job_status.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """3 jobs on one torchrun of 2 ranks: two schedules, and one job whose config is bad."""
+    folder = tmp_path_factory.mktemp("sweep") / "sweep"
+    args = sft("--multirun", "optim.schedule=cosine,constant,bogus", "logging.wandb.mode=offline")
+    result = torchrun(2, *args, f"hydra.sweep.dir={folder}", timeout=300, env={"WANDB_API_KEY": ""})
+    return folder, result
+
+
+def test_sweep_runs_every_job_in_its_own_folder_on_one_process_group(sweep):
+    folder, result = sweep
+    assert sorted(p.name for p in folder.iterdir()) == ["0", "1", "2", "multirun.yaml"]  # no rank folders
+    for job, schedule in ((0, "cosine"), (1, "constant")):
+        job_dir = folder / str(job)
+        assert status(job_dir)["status"] == "COMPLETED"
+        assert f"schedule: {schedule}" in (job_dir / "config.yaml").read_text()
+        assert (job_dir / ".hydra" / "overrides.yaml").is_file()
+        assert [r["step"] for r in read_metrics(job_dir)] == [1, 2, 3]
+    cosine, constant = losses(folder / "0"), losses(folder / "1")
+    assert cosine[:2] == constant[:2] and cosine[2] != constant[2]  # the schedules part after step 2
+    assert result.stdout.count("Launching 3 jobs locally") == 1  # one Hydra sweep, not one per rank
+
+
+def test_a_failed_job_is_recorded_and_the_sweep_goes_on(sweep):
+    folder, result = sweep
+    failed = status(folder / "2")
+    assert failed["status"] == "FAILED" and "optim.schedule='bogus'" in failed["error"]
+    assert "optim.schedule=bogus" in failed["overrides"]
+    assert not (folder / "2" / "metrics.jsonl").exists()
+    assert result.returncode != 0  # the sweep as a whole reports the failure
+    assert "job 2 (" in result.stdout and "failed: optim.schedule='bogus'" in result.stdout
+
+
+def test_each_job_is_its_own_wandb_run_grouped_by_sweep(sweep):
+    folder, _ = sweep
+    for job in ("0", "1"):
+        (run_file,) = (folder / job / "wandb").glob("offline-run-*/run-*.wandb")
+        (run_record,) = [r.run for r in wandb_records(run_file) if r.WhichOneof("record_type") == "run"]
+        assert run_record.run_group == folder.name
+        history = [r.history for r in wandb_records(run_file) if r.WhichOneof("record_type") == "history"]
+        logged = [json.loads(next(i.value_json for i in h.item if i.nested_key == ["loss"])) for h in history]
+        assert logged == losses(folder / job)
+
+
+def test_stop_ends_the_sweep_at_the_failed_job(tmp_path):
+    args = sft("--multirun", "optim.schedule=bogus,cosine", "train.sweep_on_failure=stop")
+    result = run([sys.executable, *args, f"hydra.sweep.dir={tmp_path}"], timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "train.sweep_on_failure=stop: the sweep ends here" in result.stdout
+    assert status(tmp_path / "0")["status"] == "FAILED"
+    assert not (tmp_path / "1").exists()
+
+
+def test_submitit_local_sweep_with_two_tasks_per_job(sweep, tmp_path):
+    """hydra/launcher=submitit_local: each job is 2 processes that take their ranks from submitit,
+    and trains the same curve as the torchrun sweep's job."""
+    reference, _ = sweep
+    launcher = [
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.timeout_min=5",
+    ]
+    args = sft("--multirun", *launcher, "optim.schedule=cosine,constant")
+    result = run([sys.executable, *args, f"hydra.sweep.dir={tmp_path}"], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    for job in ("0", "1"):
+        assert status(tmp_path / job)["status"] == "COMPLETED"
+        assert "'dp_shard': 2" in (tmp_path / job / "sft.log").read_text()
+        assert (tmp_path / job / "sft.log").read_text().count("step 3/3") == 1  # rank 0 alone logs
+        assert losses(tmp_path / job) == pytest.approx(losses(reference / job), rel=1e-6)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_match_one_node(sweep, tmp_path):
+    """Two torchrun agents (--nnodes=2, one process each) meet through c10d on 127.0.0.1."""
+    reference, _ = sweep
+    rendezvous = [
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=loopback",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *rendezvous,
+        *sft(),
+        f"hydra.run.dir={tmp_path}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    with open(tmp_path / "node1.log", "w") as node1_log:
+        node1 = subprocess.Popen(command, cwd=ROOT, env=env, stdout=node1_log, stderr=subprocess.STDOUT)
+        try:
+            node0 = run(command, timeout=300)
+            assert node1.wait(timeout=120) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+        finally:
+            node1.kill()
+    assert node0.returncode == 0, node0.stdout[-3000:]
+    assert losses(tmp_path) == pytest.approx(losses(reference / "0"), rel=1e-6)
+
+
+def test_launch_scripts_parse():
+    for script in ("launch/local.sh", "launch/slurm.sbatch"):
+        assert run(["bash", "-n", str(ROOT / script)]).returncode == 0, script
+    sbatch = (ROOT / "launch" / "slurm.sbatch").read_text()
+    assert "--rdzv-backend=c10d" in sbatch and "--rdzv-id" in sbatch
+    (job,) = yaml.safe_load_all((ROOT / "launch" / "k8s" / "pytorchjob.yaml").read_text())
+    assert job["kind"] == "PyTorchJob"
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert "dtrain.sft" in " ".join(worker["command"] + worker.get("args", []))
