@@ -20,8 +20,8 @@ from helpers import ROOT, read_metrics, run, torchrun, wandb_records
 COMMON = ["train.max_steps=3", "train.log_every=1", "optim.warmup_steps=0", "parallel.tp=1"]
 
 
-def sft(*overrides: str) -> list[str]:
-    return ["-m", "dtrain.sft", *COMMON, *overrides]
+def sft(*overrides: str, multirun: bool = False) -> list[str]:
+    return ["-m", "dtrain.sft", *(["--multirun"] if multirun else []), *COMMON, *overrides]
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -36,7 +36,7 @@ def status(job_dir: Path) -> dict:
 def sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """3 jobs on one torchrun of 2 ranks: two schedules, and one job whose config is bad."""
     folder = tmp_path_factory.mktemp("sweep") / "sweep"
-    args = sft("--multirun", "optim.schedule=cosine,constant,bogus", "logging.wandb.mode=offline")
+    args = sft("optim.schedule=cosine,constant,bogus", "logging.wandb.mode=offline", multirun=True)
     result = torchrun(2, *args, f"hydra.sweep.dir={folder}", timeout=300, env={"WANDB_API_KEY": ""})
     return folder, result
 
@@ -77,7 +77,7 @@ def test_each_job_is_its_own_wandb_run_grouped_by_sweep(sweep):
 
 
 def test_stop_ends_the_sweep_at_the_failed_job(tmp_path):
-    args = sft("--multirun", "optim.schedule=bogus,cosine", "train.sweep_on_failure=stop")
+    args = sft("optim.schedule=bogus,cosine", "train.sweep_on_failure=stop", multirun=True)
     result = run([sys.executable, *args, f"hydra.sweep.dir={tmp_path}"], timeout=120)
     assert result.returncode == 2, result.stdout[-3000:]
     assert "train.sweep_on_failure=stop: the sweep ends here" in result.stdout
@@ -94,7 +94,7 @@ def test_submitit_local_sweep_with_two_tasks_per_job(sweep, tmp_path):
         "hydra.launcher.tasks_per_node=2",
         "hydra.launcher.timeout_min=5",
     ]
-    args = sft("--multirun", *launcher, "optim.schedule=cosine,constant")
+    args = sft(*launcher, "optim.schedule=cosine,constant", multirun=True)
     result = run([sys.executable, *args, f"hydra.sweep.dir={tmp_path}"], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     for job in ("0", "1"):
