@@ -53,19 +53,21 @@ def run(config, name: str, out: Path, device: torch.device, resume_from: Path | 
 
 
 def check_hsdp_sharding(model: nn.Module, optimizer: torch.optim.Optimizer, shard: int, tp: int) -> None:
-    """Parameters and AdamW states: DTensors on the 3-D mesh, replicated over dp_replicate, each
-    local shard at most ceil(numel / (dp_shard·tp)) where tp shards it."""
+    """Parameters and AdamW states: DTensors on the 3-D mesh (at tp=1, where no TP is applied, the
+    2-D dp mesh), replicated over dp_replicate, each local shard at most ceil(numel / (dp_shard·tp))
+    where tp shards it."""
+    names = HSDP_NAMES if tp > 1 else HSDP_NAMES[:2]
     for name, param in model.named_parameters():
         for label, tensor in [("param", param), *optimizer.state[param].items()]:
             if label == "step":
                 continue
             assert isinstance(tensor, DTensor), f"{label} of {name} is not a DTensor"
-            assert tuple(tensor.device_mesh.mesh_dim_names) == HSDP_NAMES, f"{label} of {name}"
+            assert tuple(tensor.device_mesh.mesh_dim_names) == names, f"{label} of {name}"
             assert tensor.placements == param.placements, f"{label} of {name}: {tensor.placements}"
         assert param.placements[0] == Replicate(), f"{name}: {param.placements}"
         # dim 0 of a parameter tp shards on dim 0 is a _StridedShard over dp_shard
         assert isinstance(param.placements[1], SHARDS), f"{name}: {param.placements}"
-        tp_sharded = isinstance(param.placements[2], SHARDS)
+        tp_sharded = tp > 1 and isinstance(param.placements[2], SHARDS)
         bound = math.ceil(param.numel() / (shard * tp if tp_sharded else shard))
         assert param.to_local().numel() <= bound, f"{name}: {param.to_local().numel()} > {bound}"
 
