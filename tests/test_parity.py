@@ -29,8 +29,9 @@ from dtrain.data import IGNORE, build_data
 
 RTOL = 1e-5
 MESH_RUNS = {
-    "untied": ["1x1", "2x1", "1x2", "2x2", "1x4", "4x1", "2x2_no_sp", "2x2_ac"],
-    "tied": ["1x1_tied", "1x2_tied", "2x2_tied"],
+    # 1x4 and 4x1 stand for 1x2 and 2x1; checkpointing's numerics are test_perf's (2x2)
+    "untied": ["1x1", "2x2", "1x4", "4x1", "2x2_no_sp"],
+    "tied": ["1x1_tied", "2x2_tied"],
     **{family: [f"2x2_{family}"] for family in FAMILIES},
 }
 
@@ -50,7 +51,7 @@ def mesh_runs(models, tmp_path_factory):
     """All scenarios: one torchrun per world size, each sharing its process group across scenarios."""
     out = tmp_path_factory.mktemp("mesh_runs")
     worker = str(ROOT / "tests" / "workers" / "mesh_runs.py")
-    for nproc in (1, 2, 4):
+    for nproc in (1, 4):
         args = ["--out", str(out), "--untied", str(models["untied"]), "--tied", str(models["tied"])]
         args += ["--families", str(models["qwen2"].parent)]
         result = torchrun(nproc, worker, *args, timeout=400)

@@ -32,16 +32,10 @@ SCENARIOS = {
         "1x1_tied": (1, 1, "tied", {}),
         "1x1_random": (1, 1, "random", {}),
     },
-    2: {
-        "2x1": (2, 1, "untied", {}),
-        "1x2": (1, 2, "untied", {}),
-        "1x2_tied": (1, 2, "tied", {}),
-    },
     4: {
         "2x2": (2, 2, "untied", {}),
         "2x2_tied": (2, 2, "tied", {}),
         "2x2_no_sp": (2, 2, "untied", {"parallel.sequence_parallel": False}),
-        "2x2_ac": (2, 2, "untied", {"parallel.activation_checkpointing": "full"}),
         "2x2_bf16": (2, 2, "untied", {"train.precision": "bf16"}),
         "1x4": (1, 4, "untied", {}),
         "4x1": (4, 1, "untied", {}),
