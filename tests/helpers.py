@@ -191,3 +191,13 @@ def wandb_records(path: Path):
             record.ParseFromString(pending)
             pending = b""
             yield record
+
+
+def save_results(results: dict, out: Path) -> None:
+    """A torchrun worker's end: rank 0 saves each scenario's results as OUT/NAME.pt (what the
+    pytest side loads), then every rank leaves the process group together."""
+    if torch.distributed.get_rank() == 0:
+        for name, saved in results.items():
+            torch.save(saved, out / f"{name}.pt")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

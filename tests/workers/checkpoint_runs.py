@@ -7,13 +7,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import full_logits, parity_config, sharded_model, worker_args  # noqa: E402
+from helpers import full_logits, parity_config, save_results, sharded_model, worker_args  # noqa: E402
 
 from dtrain.config import ConfigError, check_config  # noqa: E402
 from dtrain.data import load_tokenizer  # noqa: E402
@@ -64,11 +63,7 @@ def main() -> None:
         results["resume_1x1"] = {
             "history": run("resume_1x1", out / "r1", args.untied, 1, 1, device, step4).history
         }
-    if dist.get_rank() == 0:
-        for name, saved in results.items():
-            torch.save(saved, out / f"{name}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    save_results(results, out)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import parity_config, worker_args  # noqa: E402
+from helpers import parity_config, save_results, worker_args  # noqa: E402
 
 from dtrain.config import check_config  # noqa: E402
 from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
@@ -109,11 +109,7 @@ def main() -> None:
     results["resume_hsdp"] = {"history": back.history}
 
     results["unplanned"] = {"error": unplanned_linear_error(args.untied, device)}
-    if dist.get_rank() == 0:
-        for name, saved in results.items():
-            torch.save(saved, out / f"{name}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    save_results(results, out)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import full_logits, parity_config, worker_args  # noqa: E402
+from helpers import full_logits, parity_config, save_results, worker_args  # noqa: E402
 
 from dtrain.config import check_config  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
@@ -81,11 +80,7 @@ def main() -> None:
     )
     # The final padded checkpoint exported over 4 ranks of plain FSDP (1026 rows do not split in 4).
     export_checkpoint(checkpoints / f"step-{STEPS:08d}", out / "hf_checkpoint", "fp32")
-    if dist.get_rank() == 0:
-        for name, saved in results.items():
-            torch.save(saved, out / f"{name}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    save_results(results, out)
 
 
 if __name__ == "__main__":
