@@ -76,6 +76,8 @@ class JobStatusCallback(Callback):
     its status is on disk."""
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: object) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN:  # a single run (or dtrain.estimate) has no sweep to record
+            return
         error = job_return._return_value if job_return.status == JobStatus.FAILED else None
         if int(os.environ.get("RANK", "0")) == 0:
             status = {
@@ -87,10 +89,10 @@ class JobStatusCallback(Callback):
             out = Path(config.hydra.runtime.output_dir)
             out.mkdir(parents=True, exist_ok=True)
             (out / "job_status.yaml").write_text(OmegaConf.to_yaml(status))
-            if error is not None and config.hydra.mode == RunMode.MULTIRUN:
+            if error is not None:
                 logging.getLogger("dtrain").error(
                     f"job {status['job']} ({' '.join(status['overrides'])}) failed: {error}"
                 )
         stop = OmegaConf.select(config, "train.sweep_on_failure", default="continue") == "stop"
-        if error is not None and stop and config.hydra.mode == RunMode.MULTIRUN:
+        if error is not None and stop:
             fail(f"{error} (train.sweep_on_failure=stop: the sweep ends here)", getattr(error, "code", 1))

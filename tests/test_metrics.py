@@ -66,6 +66,7 @@ def test_metrics_jsonl_holds_every_figure(run_2x2):
 def test_start_summary_and_credentials_line(run_2x2):
     log = (run_2x2 / "sft.log").read_text()
     assert log.count("W&B: no credentials") == 1
+    assert not (run_2x2 / "job_status.yaml").exists()  # a sweep's record only
     summary = next(line for line in log.splitlines() if "per-rank shards" in line)
     shards = summary.split("per-rank shards ")[1].split(" M |")[0].split()
     assert len(shards) == 4
