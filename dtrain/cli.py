@@ -21,6 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from dtrain.config import Config, ConfigError
+from dtrain.distributed import rank_from_env
 
 ASSETS = Path(__file__).parent / "assets"
 EXIT_CONFIG_ERROR = 2
@@ -79,7 +80,7 @@ class JobStatusCallback(Callback):
         if config.hydra.mode != RunMode.MULTIRUN:  # a single run (or dtrain.estimate) has no sweep to record
             return
         error = job_return._return_value if job_return.status == JobStatus.FAILED else None
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank_from_env() == 0:
             status = {
                 "status": job_return.status.name,
                 "job": config.hydra.job.get("num"),

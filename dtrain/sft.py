@@ -35,7 +35,8 @@ register(Config, lambda: "bf16" if torch.cuda.is_available() else "fp32")
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
-    if os.environ.get("SUBMITIT_EXECUTOR"):  # hydra/launcher=submitit_*: a task per device, no torchrun
+    under_submitit = bool(os.environ.get("SUBMITIT_EXECUTOR"))  # hydra/launcher=submitit_*: no torchrun
+    if under_submitit:  # a task per device: the rank environment comes from submitit
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     is_rank0 = rank_from_env() == 0
     if not is_rank0:
@@ -82,7 +83,7 @@ def hydra_main(cfg: DictConfig) -> None:
         log.exception("dtrain: this rank failed")
         fail(f"rank {rank_from_env()} failed (traceback above); the sweep stops", 1)
     finally:
-        if os.environ.get("SUBMITIT_EXECUTOR"):
+        if under_submitit:
             shutdown()  # each submitit job is its own processes and process group
 
 
@@ -110,9 +111,8 @@ def main() -> None:
         os.environ.setdefault("DTRAIN_RUN_ID", run_id())
     except ConfigError as error:
         fail(str(error))
-    if rank_from_env() != 0:  # quiet unless something is wrong; rank 0 speaks for all
+    if rank_from_env() != 0:  # no .hydra/ or Hydra log file; hydra_main quiets the rest (quiet_this_rank)
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
-        logging.getLogger("dtrain").setLevel(logging.ERROR)
     try:
         hydra_main()
     finally:
