@@ -17,7 +17,6 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from dtrain.config import ConfigError, ModelConfig
@@ -40,7 +39,7 @@ def causal_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention over the full (gathered) sequence. HF would build its mask from the local,
-    sequence-sharded length, so the mask is never built (see `_no_mask`) and padding is on the right.
+    sequence-sharded length, so no mask is built (see the registration below); padding is on the right.
     Packed rows restart `position_ids` (full length: HF forwards them to here) at every document:
     then the mask is block-diagonal causal, so no token attends across documents. On CUDA packed rows
     go through flex attention with a block mask (only the blocks that hold a document pair are
@@ -148,12 +147,10 @@ def flex_document_attention(
     return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
+# No mask function is registered for ATTENTION: HF then skips mask creation altogether (its path for
+# custom attention), including the scan of position_ids for packed rows, which reads a device value
+# on the host in every forward.
 AttentionInterface.register(ATTENTION, causal_attention)
-AttentionMaskInterface.register(ATTENTION, _no_mask)
 
 
 def resolve_model_path(name_or_path: str) -> str:

@@ -53,13 +53,17 @@ class RankFailure(RuntimeError):
 
 
 class StepGuard:
-    """Per-step agreement between ranks: two one-element all-reduces at the start of each step."""
+    """What the ranks agree on before each step's first collective: that every rank got its batch,
+    and whether any rank received a preemption signal. One all_reduce of host flags per step, on a
+    gloo group of its own: on an NCCL group, reading the result would make the host wait for the
+    device to finish the previous step, and the next step could not be queued behind it."""
 
-    def __init__(self, settings: TrainConfig, device: torch.device) -> None:
+    def __init__(self, settings: TrainConfig) -> None:
         self.settings = settings
-        self.device = device
+        self.group = dist.new_group(backend="gloo")
         self.consecutive_skips = 0
         self.skipped = 0
+        self.preempted = False  # agreed by all ranks: save the state and stop before the next step
         self._signalled: int | None = None
         for signum in PREEMPTION_SIGNALS:
             signal.signal(signum, self._on_signal)
@@ -73,17 +77,11 @@ class StepGuard:
         for signum in PREEMPTION_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
 
-    def preempted(self) -> bool:
-        """Whether any rank received a preemption signal (agreed by all, before the step's data
-        is taken, so the saved data position is the step's own)."""
-        flag = torch.tensor([self._signalled is not None], device=self.device)
-        dist.all_reduce(flag)
-        return bool(flag.item())
-
     def agreed(self, step: int, fetch: Callable[[], T]) -> T:
         """Run `fetch` (the step's data) on every rank. If it raised on any rank, every rank
         raises RankFailure with the lowest failing rank's message, instead of the others waiting
-        for it in the step's first collective."""
+        for it in the step's first collective. A signal seen here sets `preempted` on every rank:
+        the step whose batch was just taken runs, then the state is saved."""
         _maybe_kill(step + 1)
         time.sleep(float(os.environ.get(STEP_SLEEP_ENV, "0")))
         result, error = None, None
@@ -93,11 +91,12 @@ class StepGuard:
             result = fetch()
         except Exception as caught:  # anything: the point is that no rank is left waiting
             error = f"rank {dist.get_rank()}: {type(caught).__name__}: {caught}"
-        failed = torch.tensor([error is not None], device=self.device)
-        dist.all_reduce(failed)
-        if failed.item():
+        flags = torch.tensor([error is not None, self._signalled is not None], dtype=torch.int32)
+        dist.all_reduce(flags, group=self.group)
+        failed, self.preempted = (bool(flag) for flag in flags.tolist())
+        if failed:
             messages = [None] * dist.get_world_size()
-            dist.all_gather_object(messages, error)
+            dist.all_gather_object(messages, error, group=self.group)
             raise RankFailure(f"step {step + 1}: {next(m for m in messages if m)}")
         return result
 
@@ -111,7 +110,10 @@ class StepGuard:
 
     def should_skip(self, step: int, grad_norm: torch.Tensor, model: nn.Module) -> bool:
         """True when this step's gradients are not finite and the step must not be applied.
-        grad_norm is the global norm, identical on every rank, so all ranks decide alike."""
+        grad_norm is the global norm, identical on every rank, so all ranks decide alike. Reading
+        it is the step's one wait for the device: the decision must come before AdamW touches its
+        moments, and foreach AdamW has no on-device skip (fused AdamW's found_inf does, but it
+        leaks host memory with DTensor parameters, see dtrain/optim.py)."""
         if math.isfinite(grad_norm.item()):
             self.consecutive_skips = 0
             return False

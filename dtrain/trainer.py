@@ -79,13 +79,13 @@ def train(
     interval_start, interval_tokens, last_logged = time.perf_counter(), 0, progress.step
     data_wait = 0.0  # host seconds spent waiting for batches in this log interval
     tokens_seen = torch.tensor(float(progress.tokens_seen), device=device)
-    guard = StepGuard(config.train, device)
+    guard = StepGuard(config.train)
     try:
         for step in range(progress.step, config.train.max_steps):
-            if guard.preempted():  # some rank got SIGTERM/SIGUSR1 during the last step: save it, stop
-                checkpointer.save(
-                    model, optimizer, scheduler, batches, Progress(step, int(tokens_seen.item()))
-                )
+            if guard.preempted:  # a rank got SIGTERM/SIGUSR1 before the last step: save, stop
+                if not checkpointer.due(step, config.train.max_steps):  # else saved just now
+                    progress = Progress(step, int(tokens_seen.item()))
+                    checkpointer.save(model, optimizer, scheduler, batches, progress)
                 checkpointer.wait()
                 raise Preempted(step)
             wait_start = time.perf_counter()
