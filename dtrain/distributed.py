@@ -98,6 +98,10 @@ def build_parallel(shape: MeshShape, device: torch.device) -> Parallel:
     else:
         mesh = init_device_mesh(device.type, (shape.dp_shard, shape.tp), mesh_dim_names=("dp_shard", "tp"))
         dp_mesh = dp_flat = mesh["dp_shard"]
+    if shape.dp_shard > 1 and shape.tp > 1:
+        # The global grad norm is partial over both axes: with their flattening on record, DTensor
+        # reduces it in one all_reduce instead of one per axis.
+        mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
     return Parallel(mesh=mesh, dp_mesh=dp_mesh, dp_flat=dp_flat, tp_mesh=mesh["tp"], device=device)
 
 

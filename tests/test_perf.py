@@ -71,9 +71,13 @@ def test_flex_attention_on_packed_rows_matches_sdpa_with_the_document_mask(monke
         model.model.layers[index] = torch.compile(layer, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         compiled = model(input_ids=ids, position_ids=positions).logits
+        # The first forward may compile twice: transformers' `kernels` wrappers flip a global on it.
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         model(input_ids=ids, position_ids=positions.flip(0))
+        model(input_ids=ids, position_ids=positions.roll(3, dims=1))
     torch.testing.assert_close(compiled, sdpa, rtol=1e-5, atol=1e-5)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert 1 <= graphs <= 2, f"{graphs} graphs for one forward of identical layers"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "new documents recompiled"
     torch._dynamo.reset()  # leave no compiled code to the tests after this one
 
 
