@@ -330,7 +330,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
-    parser.add_argument("--rounds", type=int, default=3, help="variants alternate; the best round counts")
+    parser.add_argument("--rounds", type=int, default=10, help="variants alternate; the best round counts")
     parser.add_argument("--loss-chunk", type=int, default=64, help="a dtrain 1x1 chunked variant; 0: none")
     parser.add_argument("--meshes", default="default", help="comma-separated DPxTP meshes; '' for none")
     parser.add_argument("--hf-trainer", type=int, default=1, help="1: add the HF Trainer variant")

@@ -39,7 +39,7 @@ def causal_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention over the full (gathered) sequence. HF would build its mask from the local,
-    sequence-sharded length, so no mask is built (see the registration below); padding is on the right.
+    sequence-sharded length, so it builds none (see the registration below); padding is on the right.
     Packed rows restart `position_ids` (full length: HF forwards them to here) at every document:
     then the mask is block-diagonal causal, so no token attends across documents. On CUDA packed rows
     go through flex attention with a block mask (only the blocks that hold a document pair are
