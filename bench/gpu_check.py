@@ -3,7 +3,8 @@ the plain PyTorch + transformers loop, on a Llama-3.2-1B-shaped model (random in
 conf/model/llama3_2_1b.yaml's architecture: nothing is downloaded), bf16, eager and compiled, with
 one document per row and with packed rows. Prints each group's rows as it finishes, then one table:
 tokens/s (all, supervised), MFU, step time, peak memory (what each variant adds), ratio to the first
-row. Meant to finish in under 8 minutes including compilation and warm-up.
+row; then the host syncs of one dtrain step (CUDA's sync debug mode). Meant to finish in under 8
+minutes including compilation and warm-up.
 
 `--dry-run` runs the same code on the CPU with the bench's tiny model, one step each (bf16 too), so
 the script's logic is checked where no GPU is lent. Packed rows take the flex path on CUDA only."""
@@ -14,6 +15,7 @@ import argparse
 import gc
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -56,6 +58,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def syncs_per_step(model: dict, args: argparse.Namespace, device: torch.device) -> float:
+    """CUDA's sync debug mode counts the step's host waits (test_perf.py counts them on the CPU by
+    call site; the bench's step has no skip check, so none is expected here)."""
+    setup = Setup(model, args.batch, args.seq, "bf16")
+    step = dtrain_step(setup, make_batch(setup, device), device, 1, 1)
+    step()  # the first step allocates the optimizer state
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(3):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for warning in caught[:3]:
+        print(f"  sync: {warning.message}")
+    return len(caught) / 3
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -85,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    if device.type == "cuda":
+        print(f"host syncs per dtrain 1x1 step (eager, unpacked): {syncs_per_step(model, args, device)}")
     header = f"Llama-3.2-1B shape, batch {args.batch} x seq {args.seq}, bf16" if not args.dry_run else ""
     print()
     print_table(results, device, (header or "dry run, tiny model") + f"; {time.perf_counter() - start:.0f} s")
