@@ -44,6 +44,7 @@ def test_flex_attention_on_packed_rows_matches_sdpa_with_the_document_mask(monke
     also into compiled layers."""
     config = load_model_config(parity_config(None, dp=1, tp=1).model)
     config.num_key_value_heads = 2  # grouped-query attention through flex's enable_gqa
+    config.num_hidden_layers = 4  # more layers than the graphs allowed below: they must share one
     model = build_meta_model(config, packed=True)
     model.to_empty(device="cpu")
     reset_rotary_buffers(model, torch.device("cpu"))
@@ -76,7 +77,7 @@ def test_flex_attention_on_packed_rows_matches_sdpa_with_the_document_mask(monke
         model(input_ids=ids, position_ids=positions.flip(0))
         model(input_ids=ids, position_ids=positions.roll(3, dims=1))
     torch.testing.assert_close(compiled, sdpa, rtol=1e-5, atol=1e-5)
-    assert 1 <= graphs <= 2, f"{graphs} graphs for one forward of identical layers"
+    assert 1 <= graphs <= 2, f"{graphs} graphs for one forward of {len(model.model.layers)} identical layers"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "new documents recompiled"
     torch._dynamo.reset()  # leave no compiled code to the tests after this one
 

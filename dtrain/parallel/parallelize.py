@@ -105,10 +105,11 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, settings: ParallelConfig, p
     fully_shard(model, mesh=parallel.dp_mesh, mp_policy=mp_policy)
     # The loss is already divided by the global token count: FSDP must sum, not average, over dp.
     # With one dp rank it already sums, and a divide factor (even 1.0) costs a pass over the grads.
-    for module in model.modules() if parallel.dp_mesh.size() > 1 else ():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    if parallel.dp_mesh.size() > 1:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
     if settings.fsdp_prefetch > 0:
         set_prefetch(layers, settings.fsdp_prefetch)
 
