@@ -133,12 +133,13 @@ def hf_model(setup: Setup, device: torch.device) -> torch.nn.Module:
 
 def plain_loop(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device) -> Step:
     """The baseline: a Hugging Face model (its default sdpa attention; packed rows get its own
-    document mask from the restarting position_ids), AdamW, summed token loss / tokens, clip, step."""
+    document mask from the restarting position_ids), AdamW (fused, as dtrain's), summed token loss /
+    tokens, clip, step."""
     model = hf_model(setup, device)
     if setup.compile:
         for index, layer in enumerate(model.model.layers):
             model.model.layers[index] = torch.compile(layer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
     tokens = (mb["labels"] != IGNORE).sum().float()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=setup.precision == "bf16")
 

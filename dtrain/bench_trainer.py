@@ -45,7 +45,7 @@ def trainer_worker(setup: Setup, args: argparse.Namespace) -> list[Result]:
             weight_decay=0.0,
             max_grad_norm=MAX_NORM,
             lr_scheduler_type="constant",
-            optim="adamw_torch",
+            optim="adamw_torch_fused",  # the AdamW the other variants run
             report_to=[],
             logging_strategy="no",
             save_strategy="no",

@@ -112,8 +112,8 @@ class StepGuard:
         """True when this step's gradients are not finite and the step must not be applied.
         grad_norm is the global norm, identical on every rank, so all ranks decide alike. Reading
         it is the step's one wait for the device: the decision must come before AdamW touches its
-        moments, and foreach AdamW has no on-device skip (fused AdamW's found_inf does, but it
-        leaks host memory with DTensor parameters, see dtrain/optim.py)."""
+        moments. Fused AdamW's found_inf could skip on the device, but the skip count,
+        train.max_skips, nonfinite=abort and the culprit's name all need the answer at this step."""
         if math.isfinite(grad_norm.item()):
             self.consecutive_skips = 0
             return False

@@ -26,7 +26,7 @@ TOTAL = "Total"
 PEAK_GROUPS = {
     "params": (_R.SHARDED_PARAM, _R.BUFFER),
     "grads": (_R.SHARDED_GRAD,),
-    "optimizer": (_R.OPT,),  # foreach AdamW's temporaries count here when the peak is in the step
+    "optimizer": (_R.OPT,),
     "unsharded_params": (_R.UNSHARDED_PARAM, _R.ALL_GATHER),
     "activations": (_R.ACT, _R.INP),
     "temporaries": (_R.TEMP, _R.UNSHARDED_GRAD, _R.REDUCE_SCATTER),

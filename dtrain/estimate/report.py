@@ -12,7 +12,7 @@ GIB = 2**30
 AT_PEAK_LABELS = {
     "params": "sharded parameters + buffers",
     "grads": "sharded gradients",
-    "optimizer": "optimizer state (+ foreach temporaries)",
+    "optimizer": "optimizer state",
     "unsharded_params": "unsharded (all-gathered) parameters",
     "activations": "activations (+ inputs)",
     "temporaries": "temporaries (backward, reduce-scatter)",
