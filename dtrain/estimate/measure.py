@@ -85,7 +85,7 @@ class _ModuleStats(WeakIdKeyDictionary):
 
 
 def _total(snapshot: dict, key: str) -> int:
-    """Sum over devices (AdamW's `step` counters stay on the CPU when training on CUDA)."""
+    """Sum over the devices of a tracker snapshot (it keeps one figure per device)."""
     return sum(per_device.get(key, 0) for per_device in snapshot.values())
 
 
