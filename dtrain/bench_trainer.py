@@ -11,6 +11,7 @@ import torch
 
 from dtrain.bench import LR, MAX_NORM, Result, Setup, flops, hf_model, make_batch, peak_gib
 from dtrain.data import IGNORE
+from dtrain.distributed import keep_freed_host_memory
 
 
 def trainer_worker(setup: Setup, args: argparse.Namespace) -> list[Result]:
@@ -20,6 +21,8 @@ def trainer_worker(setup: Setup, args: argparse.Namespace) -> list[Result]:
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        keep_freed_host_memory()  # as init_distributed does for the other variants
     mb = make_batch(setup, torch.device("cpu"))
     rows = [{key: value[i] for key, value in mb.items()} for i in range(setup.batch)]
     total = args.warmup + args.rounds * args.steps

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,11 +53,31 @@ def device_for_this_process() -> torch.device:
     return torch.device("cpu")
 
 
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_host_memory() -> None:
+    """Training on the CPU: keep glibc from handing a step's large buffers back to the kernel and
+    faulting them in again, page by page, in the next step. Blocks of 32 MiB and more (logits, their
+    gradient) are otherwise mmapped afresh each time: 35 % of a CPU step of the bench model. Freed
+    memory stays in the process for reuse, as CUDA's caching allocator keeps device memory. Speed
+    only, never results; without glibc's mallopt (macOS, musl) nothing changes."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, 1 << 30)  # serve blocks up to 1 GiB from the heap, not fresh mmaps
+    mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)  # and never shrink the heap under them
+
+
 def init_distributed(timeout_s: int) -> torch.device:
     """Start the default process group once per process (a Hydra sweep reuses it for every job)."""
     device = device_for_this_process()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        keep_freed_host_memory()
     if dist.is_initialized():
         return device
     backend = "nccl" if device.type == "cuda" else "gloo"
