@@ -91,11 +91,12 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, parallel: Parallel, settings: ParallelConfig, precision: str) -> None:
-    # bf16: compute in bf16, reduce gradients in fp32. fp32: no policy at all (an fp32 one still
+    # bf16: compute in bf16, reduce gradients in fp32. fp32: the empty policy (an fp32 one still
     # walks every forward's inputs to cast them to the dtype they already have).
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if precision == "bf16" else None,
-        reduce_dtype=torch.float32 if precision == "bf16" else None,
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if precision == "bf16"
+        else MixedPrecisionPolicy()
     )
     layers = list(model.model.layers)
     for index, layer in enumerate(layers):

@@ -128,8 +128,11 @@ def check_reshard_and_prefetch(reference: tuple[float, dict], device: torch.devi
         assert_same_loss_and_grads(reference, loss_and_grads(model, batch(0), 0), mode)
 
 
-def losses(model: torch.nn.Module, config: Config, steps: int) -> list[float]:
-    optimizer = build_optimizer(model, config.optim)
+def losses(
+    model: torch.nn.Module, config: Config, steps: int, optimizer: torch.optim.Optimizer | None = None
+) -> list[float]:
+    """Train `steps` steps (with a new AdamW unless one is given); the loss of each."""
+    optimizer = build_optimizer(model, config.optim) if optimizer is None else optimizer
     params = list(model.parameters())
     out = []
     for step in range(steps):
@@ -235,17 +238,10 @@ def check_optimizer_keeps_no_specs(model: torch.nn.Module, config: Config) -> No
     """Steps after the first two (which create the AdamW state) add no DTensorSpec: a leak of one per
     parameter per step would add 3 × the parameter count here."""
     optimizer, params = build_optimizer(model, config.optim), list(model.parameters())
-
-    def steps(count: int) -> None:
-        for step in range(count):
-            mb = batch(20 + step)
-            micro_step(model, mb, (mb["labels"] != IGNORE).sum().float(), True)
-            optimizer_step(optimizer, params, config.optim.max_grad_norm)
-
-    steps(2)
+    losses(model, config, 2, optimizer)
     before = live_dtensor_specs()
     assert before >= len(params), f"the count misses the parameters' own specs: {before}"
-    steps(3)
+    losses(model, config, 3, optimizer)
     grown = live_dtensor_specs() - before
     assert grown < len(params), f"{grown} more DTensorSpecs after 3 steps ({len(params)} parameters)"
 
