@@ -27,7 +27,7 @@ from dtrain.config import (
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "dtrain" / "assets"
 DATASET = ASSETS / "sft_tiny.jsonl"
-TOKENIZER = ASSETS / "tokenizer"
+TOKENIZER = ASSETS / "tiny_llama"  # the embedded model folder: config.json and tokenizer, no weights
 
 # Small enough for 2 CPU cores; 4 heads and 4 KV heads so that tp=4 divides them.
 TINY = dict(
