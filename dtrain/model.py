@@ -193,7 +193,8 @@ def load_model_config(settings: ModelConfig, offline: bool = False) -> Pretraine
     if offline and not os.path.isdir(settings.name_or_path):
         folder = ARCHITECTURES / settings.name_or_path
         if not (folder / "config.json").is_file():
-            shipped = sorted(str(path.parent.relative_to(ARCHITECTURES)) for path in ARCHITECTURES.glob("*/*/config.json"))
+            configs = ARCHITECTURES.glob("*/*/config.json")
+            shipped = sorted(str(path.parent.relative_to(ARCHITECTURES)) for path in configs)
             raise ConfigError(
                 f"model.name_or_path={settings.name_or_path!r}: not a local folder, and hub ids are not "
                 f"downloaded offline; dtrain ships the architecture of {', '.join(shipped)}: "
