@@ -329,12 +329,12 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     _one_of("checkpoint.export_dtype", config.checkpoint.export_dtype, EXPORT_DTYPES)
     if not (config.model.tokenizer or config.model.name_or_path):
         raise ConfigError("model.tokenizer: needed when model.name_or_path is not set")
-    check_tp_support(model_config.model_type, shape.tp)
 
+    check_tp_support(model_config.model_type, shape.tp)
     # vocab_size need not divide: the embedding and lm_head are padded (dtrain.parallel.vocab).
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(model_config, key)
-        if value % shape.tp:
+        value = getattr(model_config, key, None)
+        if value is not None and value % shape.tp:
             raise ConfigError(f"model {key}={value} is not divisible by parallel.tp={shape.tp}")
     return shape
 
