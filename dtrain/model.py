@@ -208,6 +208,11 @@ def load_model_config(settings: ModelConfig, offline: bool = False) -> Pretraine
     return config
 
 
+def tokenizer_source(settings: ModelConfig) -> str:
+    """The folder (or hub id) the tokenizer comes from: model.tokenizer, else name_or_path's."""
+    return settings.tokenizer or resolve_model_path(settings.name_or_path)
+
+
 def resolve_init(settings: ModelConfig) -> str:
     """model.init as it will run: `auto` is `pretrained` when name_or_path has weights (safetensors),
     else `random` (said in the log). `pretrained` without weights is an error."""
