@@ -7,6 +7,7 @@ cross-checks that need the world size and the model's architecture. Both run on 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,7 @@ class ParallelConfig:
     tp: int = 1
     dp_shard: int = -1  # -1: the rest of the world
     dp_replicate: int = 1
+    cp: int = 1  # context parallel: each sequence split over this many ranks (K/V gathered in attention)
     sequence_parallel: bool = True
     loss_parallel: bool = True
     loss_chunk: int = 0  # >0: lm_head + loss this many local positions at a time (less logits memory)
@@ -185,13 +187,27 @@ class PlanConfig(Config):
 
 @dataclass(frozen=True)
 class MeshShape:
+    """The degree of each mesh axis, outermost first (MESH_AXES): the world size is their product."""
+
     dp_replicate: int
     dp_shard: int
+    cp: int
     tp: int
 
     @property
     def dp(self) -> int:
+        """The data-parallel degree: how many different rows one step reads at once."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp
+
+    def degrees(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 def to_config(cfg: DictConfig) -> Config:
@@ -216,25 +232,24 @@ def _positive(key: str, value: int) -> None:
 
 
 def mesh_shape(parallel: ParallelConfig, world_size: int) -> MeshShape:
-    """Resolve dp_shard=-1 and check that tp × dp_shard × dp_replicate is the world size."""
-    _positive("parallel.tp", parallel.tp)
-    _positive("parallel.dp_replicate", parallel.dp_replicate)
+    """Resolve dp_shard=-1 and check that the product of the degrees is the world size."""
+    fixed = {"tp": parallel.tp, "cp": parallel.cp, "dp_replicate": parallel.dp_replicate}
+    for axis, degree in fixed.items():
+        _positive(f"parallel.{axis}", degree)
+    others = math.prod(fixed.values())
+    named = " × ".join(f"parallel.{axis}={degree}" for axis, degree in fixed.items())
     dp_shard = parallel.dp_shard
     if dp_shard == -1:
-        if world_size % (parallel.tp * parallel.dp_replicate):
-            raise ConfigError(
-                f"parallel.tp={parallel.tp} × parallel.dp_replicate={parallel.dp_replicate} "
-                f"does not divide the world size {world_size}"
-            )
-        dp_shard = world_size // (parallel.tp * parallel.dp_replicate)
+        if world_size % others:
+            raise ConfigError(f"{named} does not divide the world size {world_size}")
+        dp_shard = world_size // others
     _positive("parallel.dp_shard", dp_shard)
-    if parallel.tp * dp_shard * parallel.dp_replicate != world_size:
+    if others * dp_shard != world_size:
         raise ConfigError(
-            f"parallel.tp={parallel.tp} × parallel.dp_shard={dp_shard} × "
-            f"parallel.dp_replicate={parallel.dp_replicate} = "
-            f"{parallel.tp * dp_shard * parallel.dp_replicate}, but the world size is {world_size}"
+            f"{named} × parallel.dp_shard={dp_shard} = {others * dp_shard}, "
+            f"but the world size is {world_size}"
         )
-    return MeshShape(parallel.dp_replicate, dp_shard, parallel.tp)
+    return MeshShape(parallel.dp_replicate, dp_shard, parallel.cp, parallel.tp)
 
 
 def _check_source_path(key: str, path: str) -> None:
@@ -318,11 +333,7 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
             f"train.micro_batch_size={train.micro_batch_size} × dp={shape.dp} (= {per_step})"
         )
     check_data(data, train, files=files)
-    if parallel.sequence_parallel and data.max_len % shape.tp:
-        raise ConfigError(
-            f"data.max_len={data.max_len} is not divisible by parallel.tp={shape.tp}, "
-            "which sequence parallel needs (or set parallel.sequence_parallel=false)"
-        )
+    check_sequence_split(data.max_len, shape, parallel.sequence_parallel)
     if config.checkpoint.every < 0:
         raise ConfigError(f"checkpoint.every={config.checkpoint.every}: must be >= 0 (0: final save only)")
     _positive("checkpoint.keep", config.checkpoint.keep)
@@ -337,6 +348,22 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
         if value is not None and value % shape.tp:
             raise ConfigError(f"model {key}={value} is not divisible by parallel.tp={shape.tp}")
     return shape
+
+
+def check_sequence_split(max_len: int, shape: MeshShape, sequence_parallel: bool) -> None:
+    """Context parallel cuts each row into 2·cp equal chunks (rank i keeps chunks i and 2·cp-1-i, so
+    causal work is even); sequence parallel then splits a rank's part over tp."""
+    chunks = 2 * shape.cp if shape.cp > 1 else 1
+    split = chunks * (shape.tp if sequence_parallel else 1)
+    if max_len % split == 0:
+        return
+    parts = []
+    if shape.cp > 1:
+        parts.append(f"2 × parallel.cp={shape.cp} (context parallel's chunks)")
+    if sequence_parallel and shape.tp > 1:
+        parts.append(f"parallel.tp={shape.tp} (sequence parallel; or set parallel.sequence_parallel=false)")
+    total = f" = {split}" if len(parts) > 1 else ""
+    raise ConfigError(f"data.max_len={max_len} is not divisible by {' × '.join(parts)}{total}")
 
 
 def check_tp_support(model_type: str, tp: int) -> None:

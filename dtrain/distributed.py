@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -15,32 +15,75 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from dtrain.config import MeshShape
 
 
-@dataclass(frozen=True)
 class Parallel:
-    """The mesh and the sub-meshes each stage needs, built once per run."""
+    """The mesh of a run, built once from the degrees in order (config.MESH_AXES), with its
+    sub-meshes by name. One flat world mesh is unflattened into the three views a run needs, as
+    torchtitan's ParallelDims does; every view lays the ranks out in the same row-major order:
 
-    mesh: DeviceMesh  # ("dp_shard", "tp"), or ("dp_replicate", "dp_shard", "tp") for HSDP
-    dp_mesh: DeviceMesh  # what fully_shard gets: ("dp_shard",), or ("dp_replicate", "dp_shard") for HSDP
-    dp_flat: DeviceMesh  # 1-D over every dp rank (replicas too): what data and the loss are split over
-    tp_mesh: DeviceMesh
-    device: torch.device
+    - the parameters' mesh: (dp_replicate,) fsdp, tp. `fsdp` is dp_shard × cp (named "dp_shard"
+      when cp = 1): FSDP shards over every rank that holds the same weights, so optimizer states
+      stay sharded over cp too;
+    - the batch's: dp, cp, tp. The dp ranks (dp_replicate × dp_shard) read different rows; the cp
+      ranks of one dp rank read the same rows and each keeps its part of every sequence;
+    - the tokens': dp_cp, tp. Every rank holding different tokens: token counts and summed losses
+      are reduced over dp_cp, once.
+
+    Sub-meshes: "params", "fsdp" (what fully_shard gets: 1-D, or 2-D with dp_replicate for HSDP),
+    "tp", "cp", "dp" (data), "dp_cp" (tokens)."""
+
+    def __init__(self, shape: MeshShape, device: torch.device) -> None:
+        self.shape, self.device = shape, device
+        world = init_device_mesh(
+            device.type, (math.prod(shape.degrees().values()),), mesh_dim_names=("world",)
+        )
+        fsdp = "dp_shard_cp" if shape.cp > 1 else "dp_shard"
+        sizes, names = (shape.dp_shard * shape.cp, shape.tp), (fsdp, "tp")
+        if shape.dp_replicate > 1:
+            sizes, names = (shape.dp_replicate, *sizes), ("dp_replicate", *names)
+        params = world._unflatten(0, sizes, names)
+        batch = world._unflatten(0, (shape.dp, shape.cp, shape.tp), ("dp", "cp", "tp"))
+        tokens = world._unflatten(0, (shape.dp * shape.cp, shape.tp), ("dp_cp", "tp"))
+        self.meshes = {
+            "params": params,
+            "fsdp": params[names[:-1]] if shape.dp_replicate > 1 else params[fsdp],
+            "tp": params["tp"],
+            "dp": batch["dp"],
+            "cp": batch["cp"],
+            "dp_cp": tokens["dp_cp"],
+        }
+        if params[fsdp].size() > 1 and shape.tp > 1:
+            # The global grad norm is partial over both axes: with their flattening on record, DTensor
+            # reduces it in one all_reduce instead of one per axis.
+            params[fsdp, "tp"]._flatten(f"{fsdp}_tp")
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.meshes[name]
 
     @property
-    def dp_group(self) -> dist.ProcessGroup:
-        """The group of all dp ranks of this tp rank: token counts and losses are summed over it."""
-        return self.dp_flat.get_group()
+    def mesh(self) -> DeviceMesh:
+        """The parameters' mesh: every parameter is a DTensor on it (on "fsdp" alone at tp = 1)."""
+        return self.meshes["params"]
+
+    @property
+    def token_group(self) -> dist.ProcessGroup:
+        """Every rank of this tp rank that holds different tokens: counts and losses are summed over it."""
+        return self.meshes["dp_cp"].get_group()
 
     @property
     def dp_rank(self) -> int:
-        return self.dp_flat.get_local_rank()
+        return self.meshes["dp"].get_local_rank()
 
     @property
     def dp_size(self) -> int:
-        return self.dp_flat.size()
+        return self.shape.dp
+
+    @property
+    def cp_size(self) -> int:
+        return self.shape.cp
 
     @property
     def tp_size(self) -> int:
-        return self.tp_mesh.size()
+        return self.shape.tp
 
 
 def rank_from_env() -> int:
@@ -106,25 +149,7 @@ def init_distributed(timeout_s: int) -> torch.device:
 
 
 def build_parallel(shape: MeshShape, device: torch.device) -> Parallel:
-    """The named mesh. With dp_replicate > 1 (HSDP) FSDP shards over the 2-D ("dp_replicate",
-    "dp_shard") sub-mesh, and the data over its flattening "dp"."""
-    if shape.dp_replicate > 1:
-        mesh = init_device_mesh(
-            device.type,
-            (shape.dp_replicate, shape.dp_shard, shape.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
-        )
-        dp_mesh = mesh["dp_replicate", "dp_shard"]
-        # A 2-D mesh has no single group; torchtitan flattens it the same way.
-        dp_flat = dp_mesh._flatten("dp")
-    else:
-        mesh = init_device_mesh(device.type, (shape.dp_shard, shape.tp), mesh_dim_names=("dp_shard", "tp"))
-        dp_mesh = dp_flat = mesh["dp_shard"]
-    if shape.dp_shard > 1 and shape.tp > 1:
-        # The global grad norm is partial over both axes: with their flattening on record, DTensor
-        # reduces it in one all_reduce instead of one per axis.
-        mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
-    return Parallel(mesh=mesh, dp_mesh=dp_mesh, dp_flat=dp_flat, tp_mesh=mesh["tp"], device=device)
+    return Parallel(shape, device)
 
 
 def shutdown() -> None:

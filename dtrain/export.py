@@ -100,7 +100,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str) -> None:
     model_config = load_model_config(config.model)
     device = init_distributed(config.parallel.timeout_s)
     world = dist.get_world_size()
-    parallel = build_parallel(MeshShape(1, world, 1), device)
+    parallel = build_parallel(MeshShape(1, world, 1, 1), device)
     config.parallel.tp, config.parallel.dp_shard = 1, world
     model = build_meta_model(model_config, vocab_rows=vocab.saved_vocab_rows(checkpoint))  # padded as saved
     parallelize(model, parallel, config.parallel, "fp32")

@@ -21,6 +21,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from dtrain.config import ConfigError, ModelConfig
 from dtrain.parallel import vocab
+from dtrain.parallel.context import CONTEXT_KWARG, document_ids
 
 ATTENTION = "dtrain_causal"
 # Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
@@ -46,21 +47,30 @@ def causal_attention(
     then the mask is block-diagonal causal, so no token attends across documents. On CUDA packed rows
     go through flex attention with a block mask (only the blocks that hold a document pair are
     computed); elsewhere through sdpa with a dense mask. Both compute the same function."""
+    context = kwargs.get(CONTEXT_KWARG)  # context parallel: this rank holds a part of each row
+    if context is not None:
+        key, value = context.gather(key), context.gather(value)
     window = kwargs.get("sliding_window")
-    if window is not None and window < query.shape[-2]:  # silently attending further would change the model
+    if window is not None and window < key.shape[-2]:  # silently attending further would change the model
         raise ValueError(
-            f"the model's sliding_window={window} is shorter than the sequence ({query.shape[-2]}): "
+            f"the model's sliding_window={window} is shorter than the sequence ({key.shape[-2]}): "
             "dtrain's attention has no sliding window; lower data.max_len"
         )
     gqa = getattr(module, "num_key_value_groups", 1) > 1
     packed = getattr(module.config, PACKED_ROWS, False)
-    if packed and packed_attention_backend(query.device) == "flex":
-        if dropout:
-            raise ValueError(f"attention dropout {dropout}: flex attention (packed rows on CUDA) has none")
+    flex = packed_attention_backend(query.device) == "flex"
+    if dropout and flex and (packed or context is not None):
+        raise ValueError(f"attention dropout {dropout}: flex attention (packed rows or cp on CUDA) has none")
+    if context is not None and flex:
+        out = flex_attention_call(query, key, value, context.block_mask(), scaling, gqa)
+    elif packed and flex:
         block_mask = kwargs.get(BLOCK_MASK_KWARG)
         out = flex_document_attention(query, key, value, position_ids, scaling, gqa, block_mask)
     else:
-        mask = document_mask(position_ids) if packed else None
+        if context is not None:
+            mask = context.mask()
+        else:
+            mask = document_mask(position_ids) if packed else None
         out = F.scaled_dot_product_attention(
             query,
             key,
@@ -78,11 +88,6 @@ def packed_attention_backend(device: torch.device) -> str:
     """flex on CUDA (compiled Triton kernels, block-sparse); sdpa with a dense [seq, seq] mask on any
     other device (flex has no backward on CPU)."""
     return "flex" if device.type == "cuda" else "sdpa"
-
-
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, seq]: which document of its row each position belongs to (one starts at every 0)."""
-    return (position_ids == 0).cumsum(dim=-1)
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -137,15 +142,26 @@ def flex_document_attention(
     gqa: bool,
     block_mask: Any = None,
 ) -> torch.Tensor:
-    """[batch, heads, seq, head_dim] attention within documents, as sdpa with document_mask gives.
-    Compiled on CUDA (inside a compiled layer, dynamo compiles the call itself); eager elsewhere
+    """[batch, heads, seq, head_dim] attention within documents, as sdpa with document_mask gives."""
+    if block_mask is None:
+        block_mask = document_block_mask(position_ids)
+    return flex_attention_call(query, key, value, block_mask, scale, gqa)
+
+
+def flex_attention_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_mask: Any,
+    scale: float | None,
+    gqa: bool,
+) -> torch.Tensor:
+    """Compiled on CUDA (inside a compiled layer, dynamo compiles the call itself); eager elsewhere
     (forward only: how the CPU tests compare it with sdpa)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     eager_call = query.is_cuda and not torch.compiler.is_compiling()
     attend = _compiled_flex_attention() if eager_call else flex_attention
-    if block_mask is None:
-        block_mask = document_block_mask(position_ids)
     return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 

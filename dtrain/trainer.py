@@ -23,6 +23,7 @@ from dtrain.loss import chunked_summed_cross_entropy, head_detached, loss_contex
 from dtrain.metrics import count_parameters, flops_per_token, log, memory_figures, open_sinks, peak_flops
 from dtrain.model import build_meta_model, materialize, resolve_model_path, tokenizer_source
 from dtrain.optim import build_optimizer, build_scheduler, clip_grads, global_grad_norm
+from dtrain.parallel.context import CONTEXT_KWARG, shard_sequence
 from dtrain.parallel.parallelize import parallelize
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
 from dtrain.reliability import Preempted, StepGuard
@@ -76,7 +77,7 @@ def train(
         log_summary(model, parallel, config, num_params, shard_sizes, data.num_examples, tokenizer_folder)
 
     history: list[dict[str, Any]] = []
-    dp_group = parallel.dp_group
+    token_group = parallel.token_group
     interval_start, interval_tokens, last_logged = time.perf_counter(), 0, progress.step
     data_wait = 0.0  # host seconds spent waiting for batches in this log interval
     tokens_seen = torch.tensor(float(progress.tokens_seen), device=device)
@@ -91,16 +92,14 @@ def train(
                 raise Preempted(step)
             wait_start = time.perf_counter()
             host_batches = guard.agreed(step, batches.next_step)
-            micro_batches = [
-                {k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in host_batches
-            ]
+            micro_batches = [shard_sequence(to_device(mb, device), parallel["cp"]) for mb in host_batches]
             data_wait += time.perf_counter() - wait_start
-            # The loss is a token mean over the whole global batch: count its targets on every dp rank
-            # (and its non-pad slots, for the padding fraction).
+            # The loss is a token mean over the whole global batch: count its targets on every dp and
+            # cp rank (and its non-pad slots, for the padding fraction).
             counts = sum(
                 torch.stack([(mb["labels"] != IGNORE).sum(), mb["num_tokens"].sum()]) for mb in micro_batches
             ).float()
-            dist.all_reduce(counts, group=dp_group)
+            dist.all_reduce(counts, group=token_group)
             tokens, filled = counts[0], counts[1]
             loss_sum = torch.zeros((), device=device)
             for mb in micro_batches:
@@ -131,9 +130,8 @@ def train(
                     **evaluate(
                         model,
                         data.eval,
-                        device,
+                        parallel,
                         config.parallel.loss_parallel,
-                        dp_group,
                         config.parallel.loss_chunk,
                     ),
                 }
@@ -143,7 +141,7 @@ def train(
                 interval_start += time.perf_counter() - eval_start  # eval time is not training time
             if done % config.train.log_every and done != config.train.max_steps:
                 continue
-            dist.all_reduce(loss_sum, group=dp_group)
+            dist.all_reduce(loss_sum, group=token_group)
             elapsed = time.perf_counter() - interval_start
             steps_in_interval = done - last_logged
             waited = {"data_wait_s": data_wait / steps_in_interval}
@@ -185,20 +183,19 @@ def train(
 def evaluate(
     model: torch.nn.Module,
     micro_batches: list,
-    device: torch.device,
+    parallel: Parallel,
     loss_parallel: bool,
-    dp_group: Any,
     loss_chunk: int = 0,
 ) -> dict[str, Any]:
-    """eval_loss: the token mean over the whole eval set (every dp rank's share)."""
+    """eval_loss: the token mean over the whole eval set (every dp and cp rank's share)."""
     model.eval()
-    totals = torch.zeros(2, device=device)
+    totals = torch.zeros(2, device=parallel.device)
     for mb in micro_batches:
-        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+        mb = shard_sequence(to_device(mb, parallel.device), parallel["cp"])
         with loss_context(loss_parallel):
             totals[0] += summed_loss(model, mb, loss_chunk)
         totals[1] += (mb["labels"] != IGNORE).sum()
-    dist.all_reduce(totals, group=dp_group)
+    dist.all_reduce(totals, group=parallel.token_group)
     model.train()
     return {"eval_loss": (totals[0] / totals[1]).item(), "eval_tokens": int(totals[1].item())}
 
@@ -226,6 +223,8 @@ def summed_loss(
     inputs = dict(
         input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
     )
+    if CONTEXT_KWARG in micro_batch:  # context parallel: attention gathers the rest of each row
+        inputs[CONTEXT_KWARG] = micro_batch[CONTEXT_KWARG]
     if loss_chunk <= 0:
         return summed_cross_entropy(model(**inputs).logits, micro_batch["labels"])
     with head_detached(model) as head, warnings.catch_warnings():
@@ -251,6 +250,10 @@ def optimizer_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, skipped
+
+
+def to_device(micro_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {key: value.to(device, non_blocking=True) for key, value in micro_batch.items()}
 
 
 def max_over_ranks(figures: dict[str, float | None], device: torch.device) -> dict[str, float | None]:

@@ -71,8 +71,8 @@ def test_unplanned_linear_is_refused_by_the_coverage_check(runs):
 
 
 def test_mesh_shape_with_dp_replicate():
-    assert mesh_shape(ParallelConfig(tp=2, dp_replicate=2), 8) == MeshShape(2, 2, 2)
-    assert mesh_shape(ParallelConfig(tp=1, dp_shard=2, dp_replicate=4), 8) == MeshShape(4, 2, 1)
+    assert mesh_shape(ParallelConfig(tp=2, dp_replicate=2), 8) == MeshShape(2, 2, 1, 2)
+    assert mesh_shape(ParallelConfig(tp=1, dp_shard=2, dp_replicate=4), 8) == MeshShape(4, 2, 1, 1)
     with pytest.raises(ConfigError, match=r"parallel\.tp=2 × parallel\.dp_replicate=3 does not divide"):
         mesh_shape(ParallelConfig(tp=2, dp_replicate=3), 8)
     with pytest.raises(ConfigError, match=r"parallel\.dp_shard=2 × parallel\.dp_replicate=3 = 12, but"):

@@ -176,8 +176,9 @@ def step_inputs(
     """Micro-batches with data.collate's shapes and dtypes; the values do not change the memory."""
     ids = torch.zeros((micro_batch_size, max_len), dtype=torch.long, device=device)
     positions = torch.arange(max_len, device=device).expand(micro_batch_size, -1).contiguous()
+    filled = torch.full((micro_batch_size,), max_len, dtype=torch.long, device=device)
     return [
-        {"input_ids": ids.clone(), "labels": ids.clone(), "position_ids": positions.clone()}
+        {"input_ids": ids.clone(), "labels": ids.clone(), "position_ids": positions.clone(), "num_tokens": filled}
         for _ in range(count)
     ]
 

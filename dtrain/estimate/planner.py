@@ -28,6 +28,7 @@ from dtrain.model import build_meta_model, load_model_config, reset_rotary_buffe
 from dtrain.optim import build_optimizer
 from dtrain.parallel.parallelize import parallelize
 from dtrain.parallel.vocab import pad_vocab, padded_vocab_size
+from dtrain.parallel.context import shard_sequence
 from dtrain.trainer import micro_step, optimizer_step
 
 CPU = torch.device("cpu")
@@ -138,7 +139,10 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
             model.train()
             optimizer = build_optimizer(model, config.optim)
             params = list(model.parameters())
-            micro_batches = step_inputs(train.micro_batch_size, config.data.max_len, accumulation, CPU)
+            micro_batches = [
+                shard_sequence(micro_batch, parallel["cp"])
+                for micro_batch in step_inputs(train.micro_batch_size, config.data.max_len, accumulation, CPU)
+            ]
             tokens = torch.tensor(float(train.global_batch_size * config.data.max_len))
             # Warm-up: DTensor's first run of each op, and AdamW's states, before measuring.
             micro_step(

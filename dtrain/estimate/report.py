@@ -31,13 +31,12 @@ def comparisons(plan: Plan) -> list[Layout]:
     dtrain = Layout(
         "dtrain (measured)",
         plan.shape.tp,
-        plan.shape.dp,
+        plan.shape.world // plan.shape.tp,  # the states are sharded over dp × cp
         _model_state(plan),
         round(_model_state(plan) * head_share),  # params, grads and AdamW states share one layout
         plan.step.logits,
     )
-    world = plan.shape.dp * plan.shape.tp
-    analytic = layouts(plan.census, world, plan.shape.tp, plan.micro_batch_size, plan.max_len, plan.precision)
+    analytic = layouts(plan.census, plan.shape.world, plan.shape.tp, plan.micro_batch_size, plan.max_len, plan.precision)
     return [dtrain, *analytic]
 
 
@@ -58,12 +57,8 @@ def to_json(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], to
         "experiment": {
             "model_type": plan.model_type,
             "num_params": plan.num_params,
-            "world_size": plan.shape.dp * plan.shape.tp,
-            "mesh": {
-                "dp_replicate": plan.shape.dp_replicate,
-                "dp_shard": plan.shape.dp_shard,
-                "tp": plan.shape.tp,
-            },
+            "world_size": plan.shape.world,
+            "mesh": plan.shape.degrees(),
             "micro_batch_size": plan.micro_batch_size,
             "max_len": plan.max_len,
             "precision": plan.precision,
@@ -99,10 +94,12 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         return f"  {label:<52}{num(value)}"
 
     v = verdict(step.peak, gpu_memory_gib)
-    replicas = f"dp_replicate {shape.dp_replicate} × " if shape.dp_replicate > 1 else ""
+    axes = " × ".join(
+        f"{axis} {degree}" for axis, degree in shape.degrees().items() if degree > 1 or axis in ("dp_shard", "tp")
+    )
     lines = [
         f"dtrain plan: {plan.model_type}, {plan.num_params / 1e9:.3g} B parameters | world "
-        f"{shape.dp * shape.tp} = {replicas}dp_shard {shape.dp_shard} × tp {shape.tp} | micro batch "
+        f"{shape.world} = {axes} | micro batch "
         f"{plan.micro_batch_size} × max_len {plan.max_len} | {plan.precision} | activation checkpointing "
         f"{plan.activation_checkpointing} | {plan.accumulation} micro-batches per step "
         f"(tracked {step.micro_batches}) | planned in {plan.seconds:.0f} s",

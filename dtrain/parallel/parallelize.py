@@ -59,10 +59,10 @@ def apply_tp(
     model: nn.Module, layers: nn.ModuleList, parallel: Parallel, settings: ParallelConfig, plans
 ) -> None:
     parallelize_module(
-        model, parallel.tp_mesh, plans.model_plan(settings.sequence_parallel, settings.loss_parallel)
+        model, parallel["tp"], plans.model_plan(settings.sequence_parallel, settings.loss_parallel)
     )
     for layer in layers:
-        parallelize_module(layer, parallel.tp_mesh, plans.layer_plan(settings.sequence_parallel))
+        parallelize_module(layer, parallel["tp"], plans.layer_plan(settings.sequence_parallel))
     check_tp_coverage(model)
     if model.config.tie_word_embeddings:  # parallelize_module replaced both Parameters; both Shard(0)
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -106,14 +106,14 @@ def apply_fsdp(
     for index, layer in enumerate(layers):
         fully_shard(
             layer,
-            mesh=parallel.dp_mesh,
+            mesh=parallel["fsdp"],
             mp_policy=mp_policy,
             reshard_after_forward=reshards(settings.reshard_after_forward, index, len(layers)),
         )
-    fully_shard(model, mesh=parallel.dp_mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=parallel["fsdp"], mp_policy=mp_policy)
     # The loss is already divided by the global token count: FSDP must sum, not average, over dp.
     # With one dp rank it already sums, and a divide factor (even 1.0) costs a pass over the grads.
-    if parallel.dp_mesh.size() > 1:
+    if parallel["fsdp"].size() > 1:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
@@ -153,7 +153,7 @@ def check_tp_coverage(model: nn.Module) -> None:
 def check_on_mesh(model: nn.Module, parallel: Parallel) -> None:
     """Fail loudly if any parameter is off the training mesh: the whole (dp, tp) mesh, or at tp = 1
     (no TP applied) the dp mesh alone."""
-    mesh = parallel.mesh if parallel.tp_size > 1 else parallel.dp_mesh
+    mesh = parallel.mesh if parallel.tp_size > 1 else parallel["fsdp"]
     expected = tuple(mesh.mesh_dim_names)
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):

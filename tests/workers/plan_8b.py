@@ -21,7 +21,7 @@ for world, tp in [(4, 2), (4, 4), (8, 4), (8, 8), (64, 8)]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     model_config = load_model_config(settings, offline=True)
     model = build_meta_model(model_config)
-    parallel = build_parallel(MeshShape(1, world // tp, tp), torch.device("cpu"))
+    parallel = build_parallel(MeshShape(1, world // tp, 1, tp), torch.device("cpu"))
     parallelize(model, parallel, ParallelConfig(tp=tp, activation_checkpointing="full"), "bf16")
     local = {n: p.to_local().numel() * p.element_size() for n, p in model.named_parameters()}
     total = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
