@@ -23,6 +23,7 @@ ESTIMATE_FORMATS = ("table", "json")
 EXPORT_DTYPES = ("bf16", "fp32")
 DATA_FORMATS = ("prompt_response", "messages", "text")
 OVERLONG = ("truncate", "drop")
+LOSS_IMPLS = ("dense", "chunked", "fused")
 # What marks data.path as meant to be local (so a typo is "no such file", not a failed hub lookup).
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 
@@ -90,7 +91,10 @@ class ParallelConfig:
     dp_replicate: int = 1
     sequence_parallel: bool = True
     loss_parallel: bool = True
-    loss_chunk: int = 0  # >0: lm_head + loss this many local positions at a time (less logits memory)
+    # dense: whole logits, then loss parallel's cross-entropy | chunked: lm_head + loss per chunk,
+    # recomputed in backward | fused: head, loss and gradients in one pass per chunk (no recompute)
+    loss_impl: str = "dense"
+    loss_chunk: int = 256  # chunked / fused: local sequence positions per chunk
     activation_checkpointing: str = "none"  # none | full (each decoder layer) | selective (op-level)
     compile: bool = False  # torch.compile each decoder layer
     # After forward, free each layer's gathered parameters: auto (all layers but the last) | always | never
@@ -285,8 +289,11 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     _one_of("train.sweep_on_failure", train.sweep_on_failure, SWEEP_ON_FAILURE)
     _one_of("parallel.activation_checkpointing", parallel.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _one_of("optim.schedule", config.optim.schedule, SCHEDULES)
-    if parallel.loss_chunk < 0:
-        raise ConfigError(f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 0 (0: off)")
+    _one_of("parallel.loss_impl", parallel.loss_impl, LOSS_IMPLS)
+    if parallel.loss_impl != "dense" and parallel.loss_chunk < 1:
+        raise ConfigError(
+            f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 1 with parallel.loss_impl={parallel.loss_impl}"
+        )
     _one_of("parallel.reshard_after_forward", parallel.reshard_after_forward, RESHARD_AFTER_FORWARD)
     if parallel.fsdp_prefetch < 0:
         raise ConfigError(

@@ -88,7 +88,7 @@ def test_planner_shows_the_chunked_loss_saving():
     config = parity_config(None, dp=2, tp=2)
     config.model.config["vocab_size"] = 8192  # logits large enough to dominate the peak
     unchunked = plan(config, 4).step
-    config.parallel.loss_chunk = 4
+    config.parallel.loss_impl, config.parallel.loss_chunk = "chunked", 4
     chunked = plan(config, 4).step
     local_len = MAX_LEN // 2  # the sequence-parallel shard
     assert chunked.logits * (local_len // 4) == unchunked.logits, (chunked.logits, unchunked.logits)
@@ -122,7 +122,7 @@ def test_prefetching_loader_gives_the_same_stream_and_resumes_mid_stream():
 @pytest.mark.parametrize(
     "key,value",
     [
-        ("loss_chunk", -1),
+        ("loss_impl", "sparse"),
         ("fsdp_prefetch", -1),
         ("reshard_after_forward", "sometimes"),
         ("activation_checkpointing", "partial"),

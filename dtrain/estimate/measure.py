@@ -128,6 +128,7 @@ def track_step(
     loss_parallel: bool,
     max_grad_norm: float,
     run: int | None = None,
+    loss_impl: str = "dense",
     loss_chunk: int = 0,
 ) -> StepMemory:
     """Run one optimizer step (the first `run` of `micro_batches`, default all; then clip and
@@ -144,7 +145,7 @@ def track_step(
             for index, micro_batch in enumerate(micro_batches[:run]):
                 if index:  # the tracker follows one forward per module: start its module stats afresh
                     tracker.reset_mod_stats()
-                micro_step(model, micro_batch, tokens, loss_parallel, loss_chunk)
+                micro_step(model, micro_batch, tokens, loss_parallel, loss_impl, loss_chunk)
                 _harvest(tracker, modules)
             peak_before_optimizer = _total(tracker.get_tracker_snapshot("peak"), TOTAL)
             grads = _total(tracker.get_tracker_snapshot("current"), _R.SHARDED_GRAD)
