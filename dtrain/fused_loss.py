@@ -131,7 +131,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def chunk_targets(labels: torch.Tensor, layout: Layout, local_len: int, start: int, stop: int) -> torch.Tensor:
+def chunk_targets(
+    labels: torch.Tensor, layout: Layout, local_len: int, start: int, stop: int
+) -> torch.Tensor:
     """The target ids of the chunk's rows, flattened: under sequence parallel every tp rank's
     positions [start, stop) of its shard, rank-major (the all-gather's order), else a plain slice."""
     if not layout.sequence_sharded:

@@ -148,7 +148,8 @@ def test_bench_prints_one_table_of_every_variant():
         line[:36].strip(): line[36:].split() for line in lines if line.startswith(("plain", "dtrain", "HF"))
     }
     assert "CPU figures" in result.stdout
-    names = ["plain torch + transformers loop", "dtrain 1x1", "dtrain 1x1 loss_chunk=64", "dtrain 2x1"]
+    names = ["plain torch + transformers loop", "dtrain 1x1", "dtrain 1x1 chunked loss_chunk=64"]
+    names += ["dtrain 1x1 fused loss_chunk=64", "dtrain 2x1"]
     assert [name for name in rows if not name.startswith("HF")] == names, result.stdout
     assert "HF Trainer" in rows or any(line.startswith("HF Trainer: not run") for line in lines)
     assert rows[names[0]][-1] == "1.00"

@@ -84,7 +84,9 @@ def check_function(tp_mesh, sequence_parallel: bool, dtype: torch.dtype = torch.
     assert relative(full(w.grad), grad_w_ref) <= tol, (what, relative(full(w.grad), grad_w_ref))
     assert (full(w.grad)[VOCAB:] == 0).all(), what
     with torch.no_grad():  # eval: the loss alone, no gradients computed
-        assert abs(fused_linear_cross_entropy(h, w, labels, 7, VOCAB).item() - loss.item()) <= tol * loss.item()
+        assert (
+            abs(fused_linear_cross_entropy(h, w, labels, 7, VOCAB).item() - loss.item()) <= tol * loss.item()
+        )
 
 
 def trained(dp: int, tp: int, out: Path, device: torch.device, impl: str, **overrides: object) -> dict:
