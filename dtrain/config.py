@@ -292,7 +292,8 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     _one_of("parallel.loss_impl", parallel.loss_impl, LOSS_IMPLS)
     if parallel.loss_impl != "dense" and parallel.loss_chunk < 1:
         raise ConfigError(
-            f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 1 with parallel.loss_impl={parallel.loss_impl}"
+            f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 1 "
+            f"with parallel.loss_impl={parallel.loss_impl}"
         )
     _one_of("parallel.reshard_after_forward", parallel.reshard_after_forward, RESHARD_AFTER_FORWARD)
     if parallel.fsdp_prefetch < 0:
