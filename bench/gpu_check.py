@@ -12,6 +12,7 @@ the script's logic is checked where no GPU is lent. Packed rows take the flex pa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import time
@@ -34,6 +35,7 @@ from dtrain.bench import (  # noqa: E402
     plain_loop,
     print_table,
 )
+from dtrain.config import ParallelConfig  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
 
 MODEL_YAML = ROOT / "conf" / "model" / "llama3_2_1b.yaml"
@@ -95,10 +97,13 @@ def main(argv: list[str] | None = None) -> None:
         for packed in (False, True):
             setup = Setup(model, args.batch, args.seq, "bf16", packed=packed, compile=compiled)
             mb = make_batch(setup, device)
+            # parallel.loss_impl=fused at the config's default chunk
+            fused = dataclasses.replace(setup, loss_impl="fused", loss_chunk=ParallelConfig().loss_chunk)
             label = f"{'compiled' if compiled else 'eager'}, {'packed' if packed else 'unpacked'}"
             builds = {
                 f"plain loop, {label}": lambda s=setup, b=mb: plain_loop(s, b, device),
                 f"dtrain 1x1, {label}": lambda s=setup, b=mb: dtrain_step(s, b, device, 1, 1),
+                f"dtrain 1x1 fused, {label}": lambda s=fused, b=mb: dtrain_step(s, b, device, 1, 1),
             }
             group = measure(builds, setup, device, args)  # the models die with `builds`' steps
             results += group
