@@ -64,7 +64,7 @@ def test_planner_fused_peak_and_loss_temporaries_on_the_motivating_head():
     of its 32 layers (the loss sees the same hidden states, head and labels; the plan is 15× cheaper):
     the fused peak is below the dense one, and the fused loss's temporaries are at most
     CHUNKS_OF_LOGITS fp32 chunks of logits."""
-    overrides = ["+experiment=llama3_tp4", "estimate.world_size=4", "model.config.num_hidden_layers=2"]
+    overrides = ["+experiment=llama3_tp4", "estimate.world_size=4", "+model.config.num_hidden_layers=2"]
     dense = plan(compose([*overrides, "parallel.loss_impl=dense"]), 4)
     fused = plan(compose([*overrides, "parallel.loss_impl=fused"]), 4)
     assert fused.step.peak < dense.step.peak, (fused.step.peak, dense.step.peak)
@@ -72,7 +72,8 @@ def test_planner_fused_peak_and_loss_temporaries_on_the_motivating_head():
     config = compose(overrides)
     tp, chunk = config.parallel.tp, config.parallel.loss_chunk
     rows = config.train.micro_batch_size * min(chunk, config.data.max_len // tp) * tp  # gathered chunk
-    local_vocab = fused.layers["lm_head"]["total"] // (4 * config.model.config["hidden_size"]) // tp
+    hidden_size = load_model_config(config.model, offline=True).hidden_size
+    local_vocab = fused.layers["lm_head"]["total"] // (4 * hidden_size) // tp
     logits_chunk = rows * local_vocab * 4
     assert logits_chunk < fused.step.loss_temporaries <= CHUNKS_OF_LOGITS * logits_chunk, (
         fused.step.loss_temporaries / logits_chunk
