@@ -105,7 +105,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             stop = min(start + chunk, local_len)
             rows = hidden[:, start:stop].reshape(-1, width)
             if layout.sequence_sharded:  # every tp rank's chunk, rank-major (as the targets below)
-                rows = _wait(funcol.all_gather_tensor(rows.contiguous(), 0, layout.group))
+                rows = _wait(funcol.all_gather_single(rows.contiguous(), 0, layout.group))
             targets = chunk_targets(labels, layout, local_len, start, stop)
             loss, grad_logits = _chunk_loss(rows, head, targets, layout, grads)
             total += loss
@@ -176,7 +176,7 @@ def _reduce_rows(grad_rows: torch.Tensor, layout: Layout) -> torch.Tensor:
     if layout.group is None:
         return grad_rows
     if layout.sequence_sharded:
-        return _wait(funcol.reduce_scatter_tensor(grad_rows, "sum", 0, layout.group))
+        return _wait(funcol.reduce_scatter_single(grad_rows, "sum", 0, layout.group))
     return _wait(funcol.all_reduce(grad_rows, "sum", layout.group))
 
 
