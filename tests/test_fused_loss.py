@@ -59,6 +59,19 @@ def test_chunked_losses_need_a_chunk(impl):
         check_config(config, 1, load_model_config(config.model))
 
 
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
+def test_chunked_losses_refuse_a_family_whose_head_they_do_not_know(impl):
+    """gpt_neox trains FSDP-only with the dense loss: its head is embed_out, not lm_head."""
+    config = parity_config(None, dp=1, tp=1)
+    config.model.config = dict(config.model.config, model_type="gpt_neox")
+    config.parallel.loss_impl = impl
+    model_config = load_model_config(config.model)
+    with pytest.raises(ConfigError, match=f"parallel.loss_impl={impl}: .*'gpt_neox' trains with"):
+        check_config(config, 1, model_config)
+    config.parallel.loss_impl = "dense"
+    check_config(config, 1, model_config)
+
+
 def test_planner_fused_peak_and_loss_temporaries_on_the_motivating_head():
     """The motivating run (Llama-3-8B, tp=4, micro batch 4 × 2048, bf16, full checkpointing) with 2
     of its 32 layers (the loss sees the same hidden states, head and labels; the plan is 15× cheaper):
