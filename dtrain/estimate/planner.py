@@ -26,9 +26,9 @@ from dtrain.estimate.deepspeed import ParamCensus, census
 from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked_micro_batches
 from dtrain.model import build_meta_model, load_model_config, reset_rotary_buffers
 from dtrain.optim import build_optimizer
+from dtrain.parallel.context import shard_sequence
 from dtrain.parallel.parallelize import parallelize
 from dtrain.parallel.vocab import pad_vocab, padded_vocab_size
-from dtrain.parallel.context import shard_sequence
 from dtrain.trainer import micro_step, optimizer_step
 
 CPU = torch.device("cpu")
@@ -145,9 +145,8 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
             ]
             tokens = torch.tensor(float(train.global_batch_size * config.data.max_len))
             # Warm-up: DTensor's first run of each op, and AdamW's states, before measuring.
-            micro_step(
-                model, micro_batches[0], tokens, config.parallel.loss_parallel, config.parallel.loss_chunk
-            )
+            loss = config.parallel.loss_impl, config.parallel.loss_chunk
+            micro_step(model, micro_batches[0], tokens, config.parallel.loss_parallel, *loss)
             optimizer_step(optimizer, params, config.optim.max_grad_norm)
             step = track_step(
                 model,
@@ -157,6 +156,7 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
                 config.parallel.loss_parallel,
                 config.optim.max_grad_norm,
                 run=tracked_micro_batches(accumulation),
+                loss_impl=config.parallel.loss_impl,
                 loss_chunk=config.parallel.loss_chunk,
             )
             layers = _layer_bytes(model)

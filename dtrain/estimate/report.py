@@ -36,7 +36,9 @@ def comparisons(plan: Plan) -> list[Layout]:
         round(_model_state(plan) * head_share),  # params, grads and AdamW states share one layout
         plan.step.logits,
     )
-    analytic = layouts(plan.census, plan.shape.world, plan.shape.tp, plan.micro_batch_size, plan.max_len, plan.precision)
+    analytic = layouts(
+        plan.census, plan.shape.world, plan.shape.tp, plan.micro_batch_size, plan.max_len, plan.precision
+    )
     return [dtrain, *analytic]
 
 
@@ -95,7 +97,9 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
 
     v = verdict(step.peak, gpu_memory_gib)
     axes = " × ".join(
-        f"{axis} {degree}" for axis, degree in shape.degrees().items() if degree > 1 or axis in ("dp_shard", "tp")
+        f"{axis} {degree}"
+        for axis, degree in shape.degrees().items()
+        if degree > 1 or axis in ("dp_shard", "tp")
     )
     lines = [
         f"dtrain plan: {plan.model_type}, {plan.num_params / 1e9:.3g} B parameters | world "
@@ -112,7 +116,11 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         f"  at the peak, in the {step.peak_phase}:",
         *(row("  " + AT_PEAK_LABELS[k], value) for k, value in step.at_peak.items()),
         row("peak", step.peak),
-        row("logits of one micro-batch (lm_head output shard)", step.logits),
+        *(
+            [row("logits of one micro-batch (lm_head output shard)", step.logits)]
+            if step.loss_temporaries is None
+            else [row("fused loss: temporaries (one chunk's logits at a time)", step.loss_temporaries)]
+        ),
         "",
         f"verdict: {'FITS' if v['fits'] else 'DOES NOT FIT'} in {gpu_memory_gib:g} GiB, headroom "
         f"{v['headroom_bytes'] / GIB:.2f} GiB ({v['headroom_fraction']:.0%})",
