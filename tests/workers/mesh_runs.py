@@ -24,6 +24,7 @@ from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.model import canonical_name, load_model_config  # noqa: E402
 from dtrain.trainer import train  # noqa: E402
 
+PACKED = {"data.packing": True}
 # name: (dp, tp, model, overrides); model is "untied", "tied", "random" (seeded init) or a family
 # of helpers.FAMILIES
 SCENARIOS = {
@@ -43,6 +44,10 @@ SCENARIOS = {
         "2x2_mistral": (2, 2, "mistral", {}),
         "2x2_qwen2": (2, 2, "qwen2", {}),
         "2x2_qwen3": (2, 2, "qwen3", {}),
+        # context parallel on packed rows whose documents cross the chunk borders
+        "cp4": (1, 1, "untied", {"parallel.cp": 4, **PACKED}),
+        "cp2_tp2": (1, 2, "untied", {"parallel.cp": 2, **PACKED}),
+        "cp2_dp2": (2, 1, "untied", {"parallel.cp": 2, **PACKED}),
     },
 }
 
@@ -53,11 +58,15 @@ def apply_overrides(config: object, overrides: dict) -> None:
         setattr(getattr(config, group), name, value)
 
 
-def check_sharding(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp: int, tp: int) -> None:
+def check_sharding(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp: int, tp: int, cp: int = 1
+) -> None:
     """Parameters, gradients and AdamW states: DTensors on the one 2-D mesh, sharded over both axes
-    where tp shards them, each local shard at most ceil(numel / (dp·tp)). At tp = 1 no TP is applied:
-    the mesh is the dp mesh alone."""
-    names = ("dp_shard", "tp") if tp > 1 else ("dp_shard",)
+    where tp shards them, each local shard at most ceil(numel / (dp·cp·tp)): FSDP shards over
+    dp_shard × cp. At tp = 1 no TP is applied: the mesh is the FSDP mesh alone."""
+    fsdp = "dp_shard_cp" if cp > 1 else "dp_shard"
+    names = (fsdp, "tp") if tp > 1 else (fsdp,)
+    dp = dp * cp
     for name, param in model.named_parameters():
         states = optimizer.state[param]
         for label, tensor in [("param", param), ("grad", param.grad), *states.items()]:
@@ -100,7 +109,7 @@ def main() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         result = train(config, shape, model_config, device, run_dir, resolved={})
         one_backward(result.model)
-        check_sharding(result.model, result.optimizer, dp, tp)
+        check_sharding(result.model, result.optimizer, dp, tp, config.parallel.cp)
         params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
         saved = {"history": result.history, "params": params}
         fresh = sharded_model(config, device)
