@@ -17,6 +17,7 @@ from helpers import (
     STEPS,
     TOKENIZER,
     fixed_batch,
+    packed_documents,
     parity_config,
     save_tiny_family,
     save_tiny_llama,
@@ -156,3 +157,30 @@ def test_bf16_tracks_fp32_and_keeps_fp32_master_weights(mesh_runs, references):
     assert all(tensor.dtype == torch.float32 for tensor in trained.values())
     name = "model.layers.1.mlp.down_proj.weight"
     assert relative_error(trained[name], params[name].detach()) < 0.05
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_of_the_trained_family_gives_its_logits_in_transformers(mesh_runs, family):
+    """Exported at the end of the 2x2 run: from_pretrained reads the HF layout (Phi-3's fused
+    projections included) and computes the trained model's logits."""
+    run = mesh_runs[f"2x2_{family}"]
+    model = AutoModelForCausalLM.from_pretrained(run["hf"], dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        logits = model(input_ids=fixed_batch()).logits
+    assert relative_error(logits, run["trained_logits"]) < RTOL
+
+
+def test_gemma3_packed_rows_with_a_short_window_match_hf_on_each_document(models, mesh_runs):
+    """tp=2, packed: every document longer than the sliding window; HF's own sliding-window
+    attention (sdpa, its mask) on each document alone is the reference."""
+    model = AutoModelForCausalLM.from_pretrained(
+        models["gemma3_text"], dtype=torch.float32, attn_implementation="sdpa"
+    )
+    assert model.config.sliding_window < 11  # the documents below are longer
+    ids, positions = packed_documents()
+    packed = mesh_runs["2x2_gemma3_text"]["packed_logits"][0]
+    starts = (positions[0] == 0).nonzero().flatten().tolist() + [positions.shape[-1]]
+    for start, stop in zip(starts[:-1], starts[1:], strict=True):
+        with torch.no_grad():
+            alone = model(input_ids=ids[:, start:stop], use_cache=False).logits[0]
+        assert relative_error(packed[start:stop], alone) < RTOL, (start, stop)

@@ -36,19 +36,28 @@ def _is_plain_tensor(x: Any) -> bool:
 
 
 class HeadShardedNorm(ParallelStyle):
-    """A norm over head_dim applied to the local heads of a colwise projection (Qwen3's q_norm,
-    k_norm). Its weight is replicated over tp; its input is marked sharded over the heads, so the
-    weight's gradient is summed over every tp rank's heads instead of kept per rank."""
+    """A norm over head_dim applied to the local heads of a colwise projection (Qwen3's and Gemma 3's
+    q_norm, k_norm). Its weight is replicated over tp; its input is marked sharded over the heads,
+    so the weight's gradient is summed over every tp rank's heads instead of kept per rank.
+    `heads_dim` counts from the end: -2 for (batch, seq, heads, head_dim) (Qwen3), -3 for (batch,
+    heads, seq, head_dim) (Gemma 3 normalises after the transpose)."""
+
+    def __init__(self, heads_dim: int = -2) -> None:
+        super().__init__()
+        self.heads_dim = heads_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
-            module, device_mesh, input_fn=_inputs_to_head_shards, output_fn=_output_to_local
+            module, device_mesh, input_fn=self._inputs_to_head_shards, output_fn=_output_to_local
         )
 
-
-def _inputs_to_head_shards(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-    # (batch, seq, local heads, head_dim): the heads dimension is what the colwise projection split
-    return tuple(
-        DTensor.from_local(x, mesh, [Shard(x.ndim - 2)], run_check=False) if _is_plain_tensor(x) else x
-        for x in inputs
-    )
+    def _inputs_to_head_shards(
+        self, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh
+    ) -> tuple[Any, ...]:
+        # the heads dimension is what the colwise projection split
+        return tuple(
+            DTensor.from_local(x, mesh, [Shard(x.ndim + self.heads_dim)], run_check=False)
+            if _is_plain_tensor(x)
+            else x
+            for x in inputs
+        )

@@ -17,13 +17,22 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import MAX_LEN, full_logits, parity_config, sharded_model, worker_args  # noqa: E402
+from helpers import (  # noqa: E402
+    FAMILIES,
+    MAX_LEN,
+    full_logits,
+    packed_documents,
+    parity_config,
+    sharded_model,
+    worker_args,
+)
 
 from dtrain.config import check_config  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.model import canonical_name, load_model_config  # noqa: E402
 from dtrain.trainer import train  # noqa: E402
 
+EXPORT = {"checkpoint.export_hf": True, "checkpoint.export_dtype": "fp32"}
 # name: (dp, tp, model, overrides); model is "untied", "tied", "random" (seeded init) or a family
 # of helpers.FAMILIES
 SCENARIOS = {
@@ -40,11 +49,22 @@ SCENARIOS = {
         "1x4": (1, 4, "untied", {}),
         "4x1": (4, 1, "untied", {}),
         "2x2_random": (2, 2, "random", {}),
-        "2x2_mistral": (2, 2, "mistral", {}),
-        "2x2_qwen2": (2, 2, "qwen2", {}),
-        "2x2_qwen3": (2, 2, "qwen3", {}),
+        # every family trained, then exported at the end of training (fp32, to compare logits)
+        **{f"2x2_{family}": (2, 2, family, EXPORT) for family in FAMILIES},
     },
 }
+
+
+# families whose packed rows are also run at tp=2: documents longer than the sliding window
+PACKED_WINDOW = ("gemma3_text",)
+
+
+@torch.no_grad()
+def packed_logits(model: torch.nn.Module) -> torch.Tensor:
+    """Logits of helpers.packed_documents() packed into one row (restarting positions), gathered."""
+    ids, positions = packed_documents()
+    logits = model(input_ids=ids, position_ids=positions).logits
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
 def apply_overrides(config: object, overrides: dict) -> None:
@@ -108,6 +128,11 @@ def main() -> None:
             saved["init"] = {n: p.full_tensor() for n, p in fresh.named_parameters()}
         else:
             saved["logits"] = full_logits(fresh)
+        if overrides.get("checkpoint.export_hf"):
+            saved["trained_logits"], saved["hf"] = full_logits(result.model), str(run_dir / "hf")
+        if kind in PACKED_WINDOW:
+            config.data.packing = True
+            saved["packed_logits"] = packed_logits(sharded_model(config, device))
         if dist.get_rank() == 0:
             torch.save(saved, args.out / f"{name}.pt")
     dist.barrier()
