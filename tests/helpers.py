@@ -80,9 +80,20 @@ FAMILIES = {
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
         },
     ),
+    # OLMo 2: q/k norms over the whole width, of which each rank holds its heads' columns at tp=2
+    "olmo2": dict(num_key_value_heads=2),
+    # OLMo 3: the same with sliding-window layers
+    "olmo3": dict(
+        num_key_value_heads=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
+    ),
 }
 # HF initialises these to zero (biases; Gemma's (1 + weight) norms): random values make them matter.
-_PERTURBED = {"qwen2": (".bias",), "gemma3_text": ("norm.weight",)}
+_PERTURBED = {
+    "qwen2": (".bias",),
+    "gemma3_text": ("norm.weight",),
+    "olmo2": ("norm.weight",),
+    "olmo3": ("norm.weight",),
+}
 
 
 def save_tiny_family(folder: Path, model_type: str, seed: int = 0) -> Path:
@@ -93,7 +104,8 @@ def save_tiny_family(folder: Path, model_type: str, seed: int = 0) -> Path:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(_PERTURBED.get(model_type, ())):
-                param.normal_(0.0, 0.1 if name.endswith("norm.weight") else 0.02)
+                std = 0.02 if name.endswith(".bias") else 0.1
+                param.add_(torch.randn_like(param) * std)  # ones + noise for the (weight) norms
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
     return folder

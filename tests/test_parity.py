@@ -184,3 +184,21 @@ def test_gemma3_packed_rows_with_a_short_window_match_hf_on_each_document(models
         with torch.no_grad():
             alone = model(input_ids=ids[:, start:stop], use_cache=False).logits[0]
         assert relative_error(packed[start:stop], alone) < RTOL, (start, stop)
+
+
+def test_olmo2_whole_width_q_norm_at_tp2_is_the_unsharded_norm(models, mesh_runs):
+    """Layer 0's q_norm output at tp=2 (each rank: half the columns) against HF's unsharded one; a
+    norm over each rank's columns alone (computed here from HF's q_proj output) is far from it."""
+    model = AutoModelForCausalLM.from_pretrained(
+        models["olmo2"], dtype=torch.float32, attn_implementation="sdpa"
+    )
+    attention = model.model.layers[0].self_attn
+    seen = {}
+    attention.q_proj.register_forward_hook(lambda module, args, output: seen.update(q=output))
+    attention.q_norm.register_forward_hook(lambda module, args, output: seen.update(normed=output))
+    with torch.no_grad():
+        model(input_ids=fixed_batch())
+    assert relative_error(mesh_runs["2x2_olmo2"]["q_norm"], seen["normed"]) < RTOL
+    halves = zip(seen["q"].chunk(2, dim=-1), attention.q_norm.weight.chunk(2), strict=True)
+    per_rank = torch.cat([w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) for x, w in halves], -1)
+    assert relative_error(per_rank, seen["normed"]) > 1e-3

@@ -17,11 +17,20 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from dtrain.config import ParallelConfig
 from dtrain.distributed import Parallel
-from dtrain.parallel import gemma3, llama, qwen3
+from dtrain.parallel import gemma3, llama, olmo2, qwen3
 
 # By `config.model_type`. Mistral and Qwen2 name their modules as Llama does (Qwen2's q/k/v biases
-# are sharded with their colwise weights); Qwen3 adds per-head q/k norms; Gemma 3 four norms a layer.
-TP_PLANS = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": qwen3, "gemma3_text": gemma3}
+# are sharded with their colwise weights); Qwen3 adds per-head q/k norms; Gemma 3 four norms a
+# layer; OLMo 2 and 3 post-norms and whole-width q/k norms.
+TP_PLANS = {
+    "llama": llama,
+    "mistral": llama,
+    "qwen2": llama,
+    "qwen3": qwen3,
+    "gemma3_text": gemma3,
+    "olmo2": olmo2,
+    "olmo3": olmo2,
+}
 
 # activation_checkpointing=selective keeps these ops' outputs and recomputes the rest (norms,
 # activations, rotary, casts): the matmuls and attention are most of the FLOPs, the rest most of

@@ -67,6 +67,22 @@ def packed_logits(model: torch.nn.Module) -> torch.Tensor:
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
+# families whose q/k norms span the whole width: layer 0's q_norm output is saved at tp=2
+WIDTH_NORMS = ("olmo2",)
+
+
+@torch.no_grad()
+def q_norm_output(model: torch.nn.Module) -> torch.Tensor:
+    """Layer 0's q_norm output on helpers.fixed_batch(), this rank's columns gathered over tp."""
+    norm = model.model.layers[0].self_attn.q_norm
+    captured = []
+    handle = norm.register_forward_hook(lambda module, args, output: captured.append(output))
+    full_logits(model)
+    handle.remove()
+    tp_mesh = norm.weight.device_mesh["tp"]
+    return DTensor.from_local(captured[0], tp_mesh, [Shard(-1)], run_check=False).full_tensor()
+
+
 def apply_overrides(config: object, overrides: dict) -> None:
     for key, value in overrides.items():
         group, name = key.split(".")
@@ -130,6 +146,8 @@ def main() -> None:
             saved["logits"] = full_logits(fresh)
         if overrides.get("checkpoint.export_hf"):
             saved["trained_logits"], saved["hf"] = full_logits(result.model), str(run_dir / "hf")
+        if kind in WIDTH_NORMS:
+            saved["q_norm"] = q_norm_output(fresh)
         if kind in PACKED_WINDOW:
             config.data.packing = True
             saved["packed_logits"] = packed_logits(sharded_model(config, device))
