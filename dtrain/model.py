@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.modeling_utils import AttentionInterface
 
 from dtrain.config import ConfigError, ModelConfig
-from dtrain.parallel import vocab
+from dtrain.parallel import fused, phi3, vocab
 
 ATTENTION = "dtrain_causal"
 # What activation checkpointing and torch.compile insert into parameter names.
@@ -260,6 +260,8 @@ def load_model_config(settings: ModelConfig, offline: bool = False) -> Pretraine
 
 
 PACKED_ROWS = "dtrain_packed_rows"  # a config attribute: rows may hold several documents
+# Model types whose fused projections are split into one module per part (dtrain/parallel/fused.py).
+SPLIT_FUSED = {"phi3": phi3.split_fused_projections}
 
 
 def build_meta_model(
@@ -274,6 +276,8 @@ def build_meta_model(
     setattr(config, PACKED_ROWS, packed)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, dtype=torch.float32)
+    if config.model_type in SPLIT_FUSED:
+        SPLIT_FUSED[config.model_type](model)
     vocab.pad_vocab(model, vocab_rows or config.vocab_size)
     if packed or getattr(config, "sliding_window", None) is not None:
         model.register_forward_pre_hook(_attach_block_mask, with_kwargs=True)
@@ -349,6 +353,7 @@ def load_hf_weights(model: nn.Module, folder: str) -> None:
     state = hf_state_dict(model)
     # Padded vocabulary matrices have more rows than the files: read by hand, the rest by DCP.
     padded = {name: state.pop(name) for name in vocab.padded_params(model) if name in state}
+    fused.load_parts(model, state, files)  # split fused projections: their rows of HF's tensors
     dcp.load(state, storage_reader=HuggingFaceStorageReader(folder))
     vocab.load_padded_rows(padded, files, model.config.vocab_size)
 

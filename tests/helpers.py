@@ -86,6 +86,8 @@ FAMILIES = {
     "olmo3": dict(
         num_key_value_heads=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
     ),
+    # Phi-3: fused qkv_proj (GQA: q, k and v of different widths) and gate_up_proj
+    "phi3": dict(num_key_value_heads=2, pad_token_id=2),
 }
 # HF initialises these to zero (biases; Gemma's (1 + weight) norms): random values make them matter.
 _PERTURBED = {

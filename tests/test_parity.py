@@ -7,6 +7,8 @@ batches in one micro-batch, so accumulation, sharding and loss parallel must all
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from helpers import (
     save_tiny_llama,
     torchrun,
 )
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from dtrain.config import TrainConfig
@@ -165,6 +168,9 @@ def test_export_of_the_trained_family_gives_its_logits_in_transformers(mesh_runs
     projections included) and computes the trained model's logits."""
     run = mesh_runs[f"2x2_{family}"]
     model = AutoModelForCausalLM.from_pretrained(run["hf"], dtype=torch.float32, attn_implementation="sdpa")
+    written = set().union(*(safe_open(f, "pt").keys() for f in Path(run["hf"]).glob("*.safetensors")))
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    assert written == expected  # HF's own names and layout: nothing missing for from_pretrained to init
     with torch.no_grad():
         logits = model(input_ids=fixed_batch()).logits
     assert relative_error(logits, run["trained_logits"]) < RTOL

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from dtrain.config import ParallelConfig
 from dtrain.distributed import Parallel
-from dtrain.parallel import gemma3, llama, olmo2, qwen3
+from dtrain.parallel import gemma3, llama, olmo2, phi3, qwen3
 
 # By `config.model_type`. Mistral and Qwen2 name their modules as Llama does (Qwen2's q/k/v biases
 # are sharded with their colwise weights); Qwen3 adds per-head q/k norms; Gemma 3 four norms a
@@ -30,6 +30,7 @@ TP_PLANS = {
     "gemma3_text": gemma3,
     "olmo2": olmo2,
     "olmo3": olmo2,
+    "phi3": phi3,  # its fused projections are split at build time: Llama's table then
 }
 
 # activation_checkpointing=selective keeps these ops' outputs and recomputes the rest (norms,

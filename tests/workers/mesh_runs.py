@@ -30,6 +30,7 @@ from helpers import (  # noqa: E402
 from dtrain.config import check_config  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.model import canonical_name, load_model_config  # noqa: E402
+from dtrain.parallel import fused  # noqa: E402
 from dtrain.trainer import train  # noqa: E402
 
 EXPORT = {"checkpoint.export_hf": True, "checkpoint.export_dtype": "fp32"}
@@ -138,6 +139,7 @@ def main() -> None:
         one_backward(result.model)
         check_sharding(result.model, result.optimizer, dp, tp)
         params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+        params = fused.fuse(result.model, params)  # HF's names and layout, as the reference has
         saved = {"history": result.history, "params": params}
         fresh = sharded_model(config, device)
         if kind == "random":
