@@ -88,6 +88,17 @@ FAMILIES = {
     ),
     # Phi-3: fused qkv_proj (GQA: q, k and v of different widths) and gate_up_proj
     "phi3": dict(num_key_value_heads=2, pad_token_id=2),
+    # SmolLM3: Llama's modules, layer 1 without rotary (NoPE)
+    "smollm3": dict(num_key_value_heads=2, no_rope_layers=[1, 0]),
+    # Granite: embedding, residual, attention and logits multipliers (none of them 1), tied head
+    "granite": dict(
+        num_key_value_heads=2,
+        embedding_multiplier=4.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.1,
+        logits_scaling=2.0,
+        tie_word_embeddings=True,
+    ),
 }
 # HF initialises these to zero (biases; Gemma's (1 + weight) norms): random values make them matter.
 _PERTURBED = {

@@ -31,6 +31,8 @@ TP_PLANS = {
     "olmo2": olmo2,
     "olmo3": olmo2,
     "phi3": phi3,  # its fused projections are split at build time: Llama's table then
+    "smollm3": llama,  # NoPE layers: HF skips their rotary; the modules are Llama's
+    "granite": llama,  # the multipliers are scalars in HF's forward, linear or pointwise on shards
 }
 
 # activation_checkpointing=selective keeps these ops' outputs and recomputes the rest (norms,
