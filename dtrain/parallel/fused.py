@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from dtrain.config import ConfigError
+
 FUSED_ATTR = "dtrain_fused_parts"
 
 
@@ -57,6 +59,8 @@ def load_parts(model: nn.Module, state: dict[str, torch.Tensor], files: list[Pat
             where |= dict.fromkeys(reader.keys(), file)
     for name, (fused, first) in parts.items():
         param = state.pop(name)
+        if fused not in where:
+            raise ConfigError(f"{files[0].parent}: no tensor {fused!r} in the safetensors files")
         rows, columns = _local_slices(param)
         with safe_open(where[fused], "pt") as reader:
             block = reader.get_slice(fused)[first + rows.start : first + rows.stop, columns]
