@@ -53,7 +53,9 @@ def causal_attention(
     packed = getattr(module.config, PACKED_ROWS, False)
     if (packed or window) and packed_attention_backend(query.device) == "flex":
         if dropout:
-            raise ValueError(f"attention dropout {dropout}: flex attention (packed rows on CUDA) has none")
+            raise ValueError(
+                f"attention dropout {dropout}: flex attention (packed rows or windows on CUDA) has none"
+            )
         block_mask = kwargs.get(SLIDING_BLOCK_MASK_KWARG if window else BLOCK_MASK_KWARG)
         if block_mask is None:
             block_mask = sliding_block_mask(position_ids, window, packed) if window else None
