@@ -141,10 +141,11 @@ def main() -> None:
         params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
         params = fused.fuse(result.model, params)  # HF's names and layout, as the reference has
         saved = {"history": result.history, "params": params}
-        fresh = sharded_model(config, device)
+        # the freshly loaded model (or seeded init) only where a test reads it: the suite's time
+        fresh = sharded_model(config, device) if kind in (*models, *WIDTH_NORMS) else None
         if kind == "random":
             saved["init"] = {n: p.full_tensor() for n, p in fresh.named_parameters()}
-        else:
+        elif kind in models:
             saved["logits"] = full_logits(fresh)
         if overrides.get("checkpoint.export_hf"):
             saved["trained_logits"], saved["hf"] = full_logits(result.model), str(run_dir / "hf")
