@@ -37,7 +37,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
     return [
         "model=llama3_2_1b",
         "model.init=random",  # no weights to download; values do not change memory
-        f"model.config.num_hidden_layers={args.layers}",
+        f"+model.config.num_hidden_layers={args.layers}",
         "parallel.tp=1",
         f"parallel.activation_checkpointing={args.checkpointing}",
         f"data.max_len={args.max_len}",

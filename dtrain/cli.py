@@ -24,7 +24,13 @@ from dtrain.config import Config, ConfigError
 from dtrain.distributed import rank_from_env
 
 ASSETS = Path(__file__).parent / "assets"
+CONF = Path(__file__).parent / "conf"  # shipped inside the package; add your own with --config-dir
 EXIT_CONFIG_ERROR = 2
+# The embedded default's tuned settings (conf/experiment/embedded.yaml) apply to a command line that
+# names none of these: a model, a dataset or an experiment of its own gets the schema's defaults.
+EMBEDDED = "+experiment=embedded"
+_GROUPS = ("model", "data", "experiment")
+_SOURCES = ("model.name_or_path", "data.path", "data.mix")
 FAIL_GRACE_S = 5.0
 
 
@@ -42,6 +48,24 @@ def run_id() -> str:
     if elastic:
         return f"torchrun-{elastic}"
     return time.strftime("%Y%m%d-%H%M%S")
+
+
+def with_embedded_defaults(overrides: list[str]) -> list[str]:
+    """`overrides` (a command line after the program name) plus EMBEDDED if they name no model, no
+    dataset and no experiment."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for text in overrides:
+        if text.startswith("-") or "=" not in text:  # --multirun, --config-dir DIR ...
+            continue
+        try:
+            key = parser.parse_override(text).key_or_group
+        except Exception:  # a malformed override: Hydra reports it with its own message
+            continue
+        if key in _GROUPS or key.startswith(_SOURCES):
+            return overrides
+    return [*overrides, EMBEDDED]
 
 
 def register(schema: type[Config], default_precision: Callable[[], str]) -> None:

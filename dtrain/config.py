@@ -23,6 +23,7 @@ ESTIMATE_FORMATS = ("table", "json")
 EXPORT_DTYPES = ("bf16", "fp32")
 DATA_FORMATS = ("prompt_response", "messages", "text")
 OVERLONG = ("truncate", "drop")
+MODEL_INITS = ("auto", "pretrained", "random")
 # What marks data.path as meant to be local (so a typo is "no such file", not a failed hub lookup).
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 
@@ -33,13 +34,14 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    # Hub id or local folder with config.json (+ safetensors when init=pretrained).
+    # Hub id or local HF folder (config.json, tokenizer, safetensors): architecture, tokenizer, weights.
     name_or_path: str | None = None
-    # Architecture for from-scratch models, or overrides on top of name_or_path's config.
+    # Overrides on top of name_or_path's config.json (without name_or_path: the whole architecture).
     config: dict[str, Any] = field(default_factory=dict)
-    # pretrained: load name_or_path's weights; random: seeded init, identical on every mesh.
-    init: str = "pretrained"
-    # Defaults to name_or_path.
+    # auto: pretrained when name_or_path has weights, else random; pretrained: load name_or_path's
+    # weights; random: seeded init, identical on every mesh.
+    init: str = "auto"
+    # A tokenizer folder or hub id other than name_or_path's.
     tokenizer: str | None = None
 
 
@@ -294,7 +296,7 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
         )
     _one_of("logging.wandb.mode", config.logging.wandb.mode, WANDB_MODES)
     _one_of("data.format", data.format, DATA_FORMATS)
-    _one_of("model.init", config.model.init, ("pretrained", "random"))
+    _one_of("model.init", config.model.init, MODEL_INITS)
     for key, value in (
         ("train.max_steps", train.max_steps),
         ("train.global_batch_size", train.global_batch_size),
@@ -325,17 +327,27 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
         raise ConfigError(f"checkpoint.every={config.checkpoint.every}: must be >= 0 (0: final save only)")
     _positive("checkpoint.keep", config.checkpoint.keep)
     _one_of("checkpoint.export_dtype", config.checkpoint.export_dtype, EXPORT_DTYPES)
-    if config.model.init == "pretrained" and not config.model.name_or_path:
-        raise ConfigError("model.init=pretrained needs model.name_or_path (or set model.init=random)")
     if not (config.model.tokenizer or config.model.name_or_path):
         raise ConfigError("model.tokenizer: needed when model.name_or_path is not set")
 
+    check_tp_support(model_config.model_type, shape.tp)
     # vocab_size need not divide: the embedding and lm_head are padded (dtrain.parallel.vocab).
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(model_config, key)
-        if value % shape.tp:
+        value = getattr(model_config, key, None)
+        if value is not None and value % shape.tp:
             raise ConfigError(f"model {key}={value} is not divisible by parallel.tp={shape.tp}")
     return shape
+
+
+def check_tp_support(model_type: str, tp: int) -> None:
+    """A family without a TP plan trains FSDP-only (tp=1); at tp > 1 it is refused before launch."""
+    from dtrain.parallel.parallelize import TP_PLANS  # imported here: parallelize imports this module
+
+    if tp > 1 and model_type not in TP_PLANS:
+        raise ConfigError(
+            f"model type {model_type!r} has no TP plan, so it trains with parallel.tp=1 only (FSDP); "
+            f"parallel.tp={tp} needs one of: {', '.join(TP_PLANS)}"
+        )
 
 
 def check_estimate(settings: EstimateConfig) -> None:

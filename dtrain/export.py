@@ -33,7 +33,7 @@ from dtrain.model import (
     build_meta_model,
     hf_state_dict,
     load_model_config,
-    resolve_model_path,
+    tokenizer_source,
 )
 from dtrain.parallel import fused, vocab
 
@@ -109,7 +109,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str) -> None:
     reset_rotary_buffers(model, device)
     state = {f"model.{name}": tensor for name, tensor in hf_state_dict(model).items()}
     dcp.load(state, checkpoint_id=str(checkpoint))
-    tokenizer = load_tokenizer(config.model.tokenizer or resolve_model_path(config.model.name_or_path))
+    tokenizer = load_tokenizer(tokenizer_source(config.model))
     export_hf(model, tokenizer, out, dtype)
 
 

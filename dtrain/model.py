@@ -23,6 +23,8 @@ from dtrain.config import ConfigError, ModelConfig
 from dtrain.parallel import fused, phi3, vocab
 
 ATTENTION = "dtrain_causal"
+# Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
+ARCHITECTURES = Path(__file__).parent / "assets" / "architectures"
 # What activation checkpointing and torch.compile insert into parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -223,6 +225,8 @@ def resolve_model_path(name_or_path: str) -> str:
     """A local folder as is; a hub id downloaded (config, tokenizer, safetensors) into the HF cache."""
     if os.path.isdir(name_or_path):
         return name_or_path
+    if looks_local(name_or_path):
+        raise ConfigError(f"model.name_or_path={name_or_path!r}: no such folder")
     from huggingface_hub import snapshot_download
 
     try:
@@ -235,30 +239,57 @@ def resolve_model_path(name_or_path: str) -> str:
         ) from error
 
 
-def load_model_config(settings: ModelConfig, offline: bool = False) -> PretrainedConfig:
-    """The architecture: from name_or_path (if set), with settings.config applied on top.
+def looks_local(path: str) -> bool:
+    """A path meant as a folder on disk, so a typo is "no such folder", not a failed hub lookup (hub
+    ids are `name` or `org/name`)."""
+    return path.startswith(("/", "./", "../", "~")) or path.count("/") > 1
 
-    offline=True (the planner) never downloads: a local name_or_path folder is read as usual, while a
-    hub id contributes nothing and settings.config must then hold the whole architecture (the
-    experiments in conf/ ship it)."""
+
+def load_model_config(settings: ModelConfig, offline: bool = False) -> PretrainedConfig:
+    """The architecture of model.name_or_path (its config.json), with model.config's overrides on top.
+    Without name_or_path, model.config is the whole architecture of a from-scratch model.
+
+    offline=True (the planner) never downloads: a local folder is read as usual, a hub id from the
+    copy of its config.json that dtrain ships (dtrain/assets/architectures/<hub id>/)."""
     overrides = dict(settings.config)
-    if offline and settings.name_or_path and not os.path.isdir(settings.name_or_path):
+    if not settings.name_or_path:
         if "model_type" not in overrides:
-            raise ConfigError(
-                f"model.name_or_path={settings.name_or_path!r} is a hub id, which is not downloaded "
-                "offline, and model.config has no model_type: put the architecture in model.config "
-                "(see conf/model/llama3_8b.yaml) or point model.name_or_path at a local folder"
-            )
+            raise ConfigError("model.name_or_path: required (a local HF folder or a hub id)")
         return AutoConfig.for_model(**overrides)
-    if settings.name_or_path:
-        config = AutoConfig.from_pretrained(resolve_model_path(settings.name_or_path))
-        for key, value in overrides.items():
-            setattr(config, key, value)
+    if offline and not os.path.isdir(settings.name_or_path):
+        folder = ARCHITECTURES / settings.name_or_path
+        if not (folder / "config.json").is_file():
+            configs = ARCHITECTURES.glob("*/*/config.json")
+            shipped = sorted(str(path.parent.relative_to(ARCHITECTURES)) for path in configs)
+            raise ConfigError(
+                f"model.name_or_path={settings.name_or_path!r}: not a local folder, and hub ids are not "
+                f"downloaded offline; dtrain ships the architecture of {', '.join(shipped)}: "
+                "point model.name_or_path at a local folder with the model's config.json"
+            )
     else:
-        if "model_type" not in overrides:
-            raise ConfigError("model.config.model_type: needed for a model without model.name_or_path")
-        config = AutoConfig.for_model(**overrides)
+        folder = resolve_model_path(settings.name_or_path)
+    config = AutoConfig.from_pretrained(folder)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     return config
+
+
+def tokenizer_source(settings: ModelConfig) -> str:
+    """The folder (or hub id) the tokenizer comes from: model.tokenizer, else name_or_path's."""
+    return settings.tokenizer or resolve_model_path(settings.name_or_path)
+
+
+def resolve_init(settings: ModelConfig) -> str:
+    """model.init as it will run: `auto` is `pretrained` when name_or_path has weights (safetensors),
+    else `random` (said in the log). `pretrained` without weights is an error."""
+    folder = resolve_model_path(settings.name_or_path) if settings.name_or_path else None
+    has_weights = folder is not None and any(Path(folder).glob("*.safetensors"))
+    if settings.init == "pretrained" and not has_weights:
+        where = f"{settings.name_or_path!r} has no *.safetensors files" if folder else "no model.name_or_path"
+        raise ConfigError(f"model.init=pretrained: {where} (model.init=random trains from scratch)")
+    if settings.init != "auto":
+        return settings.init
+    return "pretrained" if has_weights else "random"
 
 
 PACKED_ROWS = "dtrain_packed_rows"  # a config attribute: rows may hold several documents
@@ -286,11 +317,24 @@ def build_meta_model(
     return model
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of decoder layers of any HF causal LM: the ModuleList of the layer class the model
+    declares unsplittable (`_no_split_modules`). What checkpointing, compile and FSDP wrap one by one."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__ in layer_classes:
+            return module
+    raise ConfigError(
+        f"model type {model.config.model_type!r}: no stack of decoder layers "
+        f"({', '.join(sorted(layer_classes)) or 'no _no_split_modules'}) found in {type(model).__name__}"
+    )
+
+
 def materialize(model: nn.Module, device: torch.device, settings: ModelConfig, seed: int) -> None:
     """Allocate this rank's shards on `device` and fill them."""
     model.to_empty(device=device)
     reset_rotary_buffers(model, device)
-    if settings.init == "pretrained":
+    if resolve_init(settings) == "pretrained":
         assert settings.name_or_path
         load_hf_weights(model, resolve_model_path(settings.name_or_path))
     else:

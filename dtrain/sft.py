@@ -22,18 +22,18 @@ from omegaconf import DictConfig, OmegaConf
 from submitit.helpers import TorchDistributedEnvironment
 
 from dtrain.checkpoint import CheckpointError, checkpoint_dir, find_resume_path, other_run_in
-from dtrain.cli import EXIT_CONFIG_ERROR, JobFailed, fail, register, run_id
+from dtrain.cli import CONF, EXIT_CONFIG_ERROR, JobFailed, fail, register, run_id, with_embedded_defaults
 from dtrain.config import Config, ConfigError, check_config, to_config, world_size_from_env
 from dtrain.distributed import init_distributed, rank_from_env, shutdown
 from dtrain.metrics import log
-from dtrain.model import load_model_config
+from dtrain.model import load_model_config, resolve_init
 from dtrain.reliability import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted, RankFailure
 
 # bf16 where it is fast (CUDA); fp32 on CPU, where bf16 is slow and the tests need exact numerics.
 register(Config, lambda: "bf16" if torch.cuda.is_available() else "fp32")
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@hydra.main(version_base=None, config_path=str(CONF), config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
     under_submitit = bool(os.environ.get("SUBMITIT_EXECUTOR"))  # hydra/launcher=submitit_*: no torchrun
     if under_submitit:  # a task per device: the rank environment comes from submitit
@@ -47,8 +47,10 @@ def hydra_main(cfg: DictConfig) -> None:
         config = to_config(cfg)
         model_config = load_model_config(config.model)
         shape = check_config(config, world_size_from_env(), model_config)
+        config.model.init = resolve_init(config.model)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved["model"]["init"] = config.model.init  # config.yaml shows what ran (auto resolved)
         checkpoints = checkpoint_dir(config.checkpoint, run_dir)
         conflict = other_run_in(run_dir, checkpoints, resolved)
         if conflict and not config.checkpoint.overwrite:
@@ -111,6 +113,7 @@ def main() -> None:
         os.environ.setdefault("DTRAIN_RUN_ID", run_id())
     except ConfigError as error:
         fail(str(error))
+    sys.argv[1:] = with_embedded_defaults(sys.argv[1:])
     if rank_from_env() != 0:  # no .hydra/ or Hydra log file; hydra_main quiets the rest (quiet_this_rank)
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     try:

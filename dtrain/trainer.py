@@ -21,7 +21,7 @@ from dtrain.distributed import Parallel, build_parallel
 from dtrain.export import export_hf
 from dtrain.loss import chunked_summed_cross_entropy, head_detached, loss_context, summed_cross_entropy
 from dtrain.metrics import count_parameters, flops_per_token, log, memory_figures, open_sinks, peak_flops
-from dtrain.model import build_meta_model, materialize, resolve_model_path
+from dtrain.model import build_meta_model, materialize, resolve_model_path, tokenizer_source
 from dtrain.optim import build_optimizer, build_scheduler, clip_grads, global_grad_norm
 from dtrain.parallel.parallelize import parallelize
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
@@ -59,7 +59,8 @@ def train(
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
 
-    tokenizer = load_tokenizer(config.model.tokenizer or resolve_model_path(config.model.name_or_path))
+    tokenizer_folder = tokenizer_source(config.model)
+    tokenizer = load_tokenizer(tokenizer_folder)
     data = build_data(config.data, config.train, tokenizer, parallel.dp_rank, parallel.dp_size)
     batches = data.train  # state_dict() / load_state_dict(): where the global stream stands
 
@@ -72,7 +73,7 @@ def train(
     shard_sizes = gather_shard_sizes(model)  # a collective: every rank, before rank 0 logs
     sinks = open_sinks(config, resolved, run_dir, progress.step) if is_rank0 else []
     if is_rank0:
-        log_summary(model, parallel, config, num_params, shard_sizes, data.num_examples)
+        log_summary(model, parallel, config, num_params, shard_sizes, data.num_examples, tokenizer_folder)
 
     history: list[dict[str, Any]] = []
     dp_group = parallel.dp_group
@@ -275,12 +276,18 @@ def log_summary(
     num_params: int,
     shard_sizes: list[int],
     n: int,
+    tokenizer_folder: str,
 ) -> None:
     train = config.train
     accumulation = train.global_batch_size // (train.micro_batch_size * parallel.dp_size)
     mesh = dict(zip(parallel.mesh.mesh_dim_names, parallel.mesh.shape, strict=True))
+    init = "weights loaded" if config.model.init == "pretrained" else "seeded random init"
+    if config.model.init == "random" and config.model.name_or_path:
+        weights = any(Path(resolve_model_path(config.model.name_or_path)).glob("*.safetensors"))
+        init = "model.init=random: seeded random init" if weights else "no weights: seeded random init"
     log.info(
-        f"model {model.config.model_type}: {num_params / 1e6:.2f} M parameters, per-rank shards "
+        f"model {config.model.name_or_path or 'from model.config'} ({init}) | tokenizer {tokenizer_folder} | "
+        f"{model.config.model_type}: {num_params / 1e6:.2f} M parameters, per-rank shards "
         f"{describe_sizes(shard_sizes)} | mesh {mesh} "
         f"on {parallel.device.type} | global batch {train.global_batch_size}, micro batch "
         f"{train.micro_batch_size}, {accumulation} accumulation steps | {n} examples, "

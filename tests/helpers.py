@@ -27,7 +27,7 @@ from dtrain.config import (
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "dtrain" / "assets"
 DATASET = ASSETS / "sft_tiny.jsonl"
-TOKENIZER = ASSETS / "tokenizer"
+TOKENIZER = ASSETS / "tiny_llama"  # the embedded model folder: config.json and tokenizer, no weights
 
 # Small enough for 2 CPU cores; 4 heads and 4 KV heads so that tp=4 divides them.
 TINY = dict(
@@ -256,3 +256,135 @@ def save_results(results: dict, out: Path) -> None:
             torch.save(saved, out / f"{name}.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+# A user's own model and data, unlike the embedded default in every respect the front door must
+# not leak: vocabulary (384), width, KV heads (2), tokenizer and special tokens, record keys.
+USER_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "<|im_start|>assistant\n{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}\n"
+    "{%- else -%}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+USER_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+USER_ARCHITECTURE = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+
+def user_rows(count: int = 32) -> list[dict[str, str]]:
+    """question/response records (the OpenOrca keys), short enough for any max_len >= 64."""
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa"]
+    return [
+        {
+            "question": f"what follows {words[i % 10]} {i}?",
+            "response": f"{words[(i + 1) % 10]} {i + 1}, then {words[(i + 2) % 10]}.",
+        }
+        for i in range(count)
+    ]
+
+
+def write_user_dataset(path: Path, count: int = 32) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in user_rows(count)))
+    return path
+
+
+def user_tokenizer():
+    """A byte-level BPE of 384 tokens trained on user_rows, with ChatML-like special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=USER_ARCHITECTURE["vocab_size"],
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in USER_SPECIALS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([text for row in user_rows() for text in row.values()], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="</s>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=USER_CHAT_TEMPLATE,
+        padding_side="right",
+    )
+
+
+def save_user_model(folder: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A user's HF folder: save_pretrained weights (random, seeded), config and its own tokenizer."""
+    tokenizer = user_tokenizer()
+    assert len(tokenizer) <= USER_ARCHITECTURE["vocab_size"], len(tokenizer)
+    special = dict(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **{**USER_ARCHITECTURE, **special, **overrides})
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def chat_rows(tokenizer, rows: list[dict[str, str]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, labels) per record, from the chat template's assistant mask alone (no dtrain
+    code): labels are the next tokens where they are the assistant's, else -100."""
+    out = []
+    for row in rows:
+        messages = [
+            {"role": "user", "content": row["question"]},
+            {"role": "assistant", "content": row["response"]},
+        ]
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids = torch.tensor(rendered["input_ids"])
+        mask = torch.tensor(rendered["assistant_masks"], dtype=torch.bool)
+        labels = torch.where(mask[1:], ids[1:], -100)
+        out.append((ids[:-1], labels))
+    return out
+
+
+def reference_losses(
+    folder: Path, rows: list[dict[str, str]], steps: int, batch: int, lr: float
+) -> list[float]:
+    """Token-mean losses of `steps` steps of a plain transformers + AdamW loop over `rows` in order,
+    `batch` rows a step: what dtrain must reproduce on any mesh (fp32; clip 1.0; cosine, no warmup)."""
+    from transformers import get_scheduler
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    examples = chat_rows(tokenizer, rows)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=steps)
+    losses = []
+    for step in range(steps):
+        chunk = examples[step * batch : (step + 1) * batch]
+        tokens = sum(int((labels != -100).sum()) for _, labels in chunk)
+        total = 0.0
+        for ids, labels in chunk:
+            logits = model(input_ids=ids[None]).logits[0]
+            loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+            (loss / tokens).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(total / tokens)
+    return losses

@@ -18,7 +18,7 @@ BAD_CONFIGS = [
     (["parallel.tp=2", "parallel.dp_shard=2"], 1, "but the world size is 1"),
     (["parallel.tp=1", "train.global_batch_size=24"], 2, "train.global_batch_size=24 is not divisible"),
     (
-        ["model.config.num_key_value_heads=3", "model.config.num_attention_heads=6"],
+        ["+model.config.num_key_value_heads=3", "+model.config.num_attention_heads=6"],
         2,
         "num_key_value_heads=3 is not divisible by parallel.tp=2",
     ),

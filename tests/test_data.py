@@ -315,7 +315,7 @@ def test_bad_input_fails_through_the_cli_with_its_message(tmp_path, case, nproc)
 def test_empty_and_truncated_responses_are_dropped_counted_and_packed_training_evaluates(tmp_path):
     records = RECORDS * 2 + [{"prompt": "q", "response": ""}, {"prompt": "x " * 40, "response": "y"}]
     overrides = ["data.packing=true", "data.eval_fraction=0.1", "train.eval_every=1"]
-    overrides += ["train.global_batch_size=4", "train.micro_batch_size=2"]
+    overrides += ["train.global_batch_size=4", "train.micro_batch_size=2", "data.max_len=32"]
     returncode, output = cli(tmp_path, records, overrides)
     assert returncode == 0, output[-3000:]
     assert f"dropped 1 {EMPTY}, 1 {NO_TARGET}" in output, output[-3000:]

@@ -140,18 +140,18 @@ def make_tokenizer(rows: list[dict[str, str]]) -> PreTrainedTokenizerFast:
 
 
 def main() -> None:
-    """Write ``sft_tiny.jsonl`` and ``tokenizer/`` under ``dtrain/assets``."""
+    """Write ``sft_tiny.jsonl`` and the tokenizer of ``tiny_llama/`` under ``dtrain/assets``."""
     rng = random.Random(SEED)
     rows = make_rows(rng)
     ASSETS.mkdir(parents=True, exist_ok=True)
     with open(ASSETS / "sft_tiny.jsonl", "w", encoding="utf-8", newline="\n") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tok_dir = ASSETS / "tokenizer"
-    if tok_dir.exists():
-        for p in tok_dir.iterdir():
+    model_dir = ASSETS / "tiny_llama"  # its config.json (the architecture) is kept as it is
+    for p in model_dir.glob("*"):
+        if p.name != "config.json":
             p.unlink()
-    make_tokenizer(rows).save_pretrained(str(tok_dir))
+    make_tokenizer(rows).save_pretrained(str(model_dir))
     print(f"wrote {len(rows)} rows and a {VOCAB_SIZE}-token tokenizer to {ASSETS}")
 
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from dtrain.cli import fail, register
+from dtrain.cli import CONF, fail, register, with_embedded_defaults
 from dtrain.config import ConfigError, PlanConfig, check_estimate
 from dtrain.estimate.planner import plan, suggest
 from dtrain.estimate.report import to_json, to_table
@@ -35,16 +34,14 @@ QUIET_HYDRA = [
 ]
 
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
-
-
 def compose(overrides: list[str]) -> PlanConfig:
     """The config `python -m dtrain.estimate OVERRIDES` plans, checked the same way."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return to_plan_config(hydra_compose(config_name="config", overrides=overrides))
+        cfg = hydra_compose(config_name="config", overrides=with_embedded_defaults(overrides))
+        return to_plan_config(cfg)
 
 
 def to_plan_config(cfg: DictConfig) -> PlanConfig:
@@ -77,5 +74,5 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    sys.argv += QUIET_HYDRA
+    sys.argv[1:] = with_embedded_defaults(sys.argv[1:]) + QUIET_HYDRA
     hydra_main()

@@ -35,7 +35,7 @@ class ParamCensus:
 
 def census(model: nn.Module) -> ParamCensus:
     """Count an unsharded (meta) HF causal LM's parameters; tied weights once."""
-    head = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
+    head = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
     total = embedding = replicated = 0
     for param in model.parameters():  # parameters() yields a tied weight once
         total += param.numel()

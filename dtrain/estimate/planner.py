@@ -92,7 +92,8 @@ def dtensor_meta_in_own_fake_mode() -> Iterator[None]:
 
 def _layer_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     out = {}
-    for name, module in (("embedding", model.model.embed_tokens), ("lm_head", model.lm_head)):
+    pairs = (("embedding", model.get_input_embeddings()), ("lm_head", model.get_output_embeddings()))
+    for name, module in pairs:
         weight = module.weight
         out[name] = {
             "local": weight.to_local().untyped_storage().nbytes(),

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from dtrain.config import ParallelConfig
 from dtrain.distributed import Parallel
+from dtrain.model import decoder_layers
 from dtrain.parallel import gemma3, llama, olmo2, phi3, qwen3
 
 # By `config.model_type`. Mistral and Qwen2 name their modules as Llama does (Qwen2's q/k/v biases
@@ -52,26 +53,27 @@ _SAVED_OPS = {
 
 def parallelize(model: nn.Module, parallel: Parallel, settings: ParallelConfig, precision: str) -> nn.Module:
     """Shard a meta-device HF causal LM over the mesh, in place. Returns the same model."""
-    model_type = model.config.model_type
-    if model_type not in TP_PLANS:
-        raise ValueError(f"model type {model_type!r} has no TP plan; supported: {', '.join(TP_PLANS)}")
+    layers = decoder_layers(model)
     if parallel.tp_size > 1:
         # At tp = 1 the plan would only wrap every parameter in a DTensor over a one-rank axis, and
-        # every op would pay DTensor dispatch for nothing: FSDP alone gives the same numerics.
-        apply_tp(model, parallel, settings, TP_PLANS[model_type])
-    apply_activation_checkpointing(model, settings.activation_checkpointing)
+        # every op would pay DTensor dispatch for nothing: FSDP alone gives the same numerics. So
+        # families without a plan train at tp = 1 (config.check_tp_support refuses more).
+        apply_tp(model, layers, parallel, settings, TP_PLANS[model.config.model_type])
+    apply_activation_checkpointing(layers, settings.activation_checkpointing)
     if settings.compile:
-        apply_compile(model)
-    apply_fsdp(model, parallel, settings, precision)
+        apply_compile(layers)
+    apply_fsdp(model, layers, parallel, settings, precision)
     check_on_mesh(model, parallel)
     return model
 
 
-def apply_tp(model: nn.Module, parallel: Parallel, settings: ParallelConfig, plans) -> None:
+def apply_tp(
+    model: nn.Module, layers: nn.ModuleList, parallel: Parallel, settings: ParallelConfig, plans
+) -> None:
     parallelize_module(
         model, parallel.tp_mesh, plans.model_plan(settings.sequence_parallel, settings.loss_parallel)
     )
-    for layer in model.model.layers:
+    for layer in layers:
         parallelize_module(layer, parallel.tp_mesh, plans.layer_plan(settings.sequence_parallel))
     check_tp_coverage(model)
     if model.config.tie_word_embeddings:  # parallelize_module replaced both Parameters; both Shard(0)
@@ -82,7 +84,7 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+def apply_activation_checkpointing(layers: nn.ModuleList, mode: str) -> None:
     """full: keep only each decoder layer's input, recompute the layer in backward. selective: keep
     the outputs of _SAVED_OPS too (op-level policy), recompute only the cheap ops."""
     if mode == "none":
@@ -90,19 +92,21 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     options: dict = {"preserve_rng_state": False}
     if mode == "selective":
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-    for index, layer in enumerate(model.model.layers):
-        model.model.layers[index] = checkpoint_wrapper(layer, **options)
+    for index, layer in enumerate(layers):
+        layers[index] = checkpoint_wrapper(layer, **options)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(layers: nn.ModuleList) -> None:
     """torch.compile each decoder layer (all layers share one graph: same code, parameters as
     inputs). The embedding, final norm, head and loss stay eager; FSDP's hooks stay outside the
     compiled region because fully_shard wraps the compiled module."""
-    for index, layer in enumerate(model.model.layers):
-        model.model.layers[index] = torch.compile(layer, fullgraph=True)
+    for index, layer in enumerate(layers):
+        layers[index] = torch.compile(layer, fullgraph=True)
 
 
-def apply_fsdp(model: nn.Module, parallel: Parallel, settings: ParallelConfig, precision: str) -> None:
+def apply_fsdp(
+    model: nn.Module, layers: nn.ModuleList, parallel: Parallel, settings: ParallelConfig, precision: str
+) -> None:
     # bf16: compute in bf16, reduce gradients in fp32. fp32: the empty policy (an fp32 one still
     # walks every forward's inputs to cast them to the dtype they already have).
     mp_policy = (
@@ -110,7 +114,7 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, settings: ParallelConfig, p
         if precision == "bf16"
         else MixedPrecisionPolicy()
     )
-    layers = list(model.model.layers)
+    layers = list(layers)
     for index, layer in enumerate(layers):
         fully_shard(
             layer,

@@ -28,6 +28,7 @@ from dtrain.data import IGNORE, build_data, load_tokenizer  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.estimate.app import compose  # noqa: E402
 from dtrain.estimate.measure import track_step  # noqa: E402
+from dtrain.model import tokenizer_source  # noqa: E402
 from dtrain.optim import build_optimizer  # noqa: E402
 from dtrain.trainer import micro_step, optimizer_step  # noqa: E402
 
@@ -49,7 +50,7 @@ def run(overrides: list[str], device: torch.device) -> dict:
     optimizer = build_optimizer(model, config.optim)
     params = list(model.parameters())
 
-    tokenizer = load_tokenizer(config.model.tokenizer)
+    tokenizer = load_tokenizer(tokenizer_source(config.model))
     train = config.train
     mesh = next(model.parameters()).device_mesh
     dp_mesh = mesh["dp_shard"]

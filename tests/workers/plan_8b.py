@@ -8,7 +8,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -17,10 +16,10 @@ from dtrain.distributed import build_parallel
 from dtrain.model import build_meta_model, load_model_config
 from dtrain.parallel.parallelize import parallelize
 
-architecture = OmegaConf.to_container(OmegaConf.load(sys.argv[1]))["config"]
+settings = ModelConfig(name_or_path=sys.argv[1], init="random")
 for world, tp in [(4, 2), (4, 4), (8, 4), (8, 8), (64, 8)]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    model_config = load_model_config(ModelConfig(config=architecture, init="random"))
+    model_config = load_model_config(settings, offline=True)
     model = build_meta_model(model_config)
     parallel = build_parallel(MeshShape(1, world // tp, tp), torch.device("cpu"))
     parallelize(model, parallel, ParallelConfig(tp=tp, activation_checkpointing="full"), "bf16")

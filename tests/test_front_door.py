@@ -1,0 +1,150 @@
+"""The front door, typed as a user types it: `model.name_or_path=FOLDER data.path=FILE` trains the
+user's model (its architecture, tokenizer and weights) on the user's data with the schema's
+defaults, and nothing of the embedded default leaks in. The fixture differs from the embedded
+default in vocabulary, width, KV heads, tokenizer, special tokens and record keys."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+import yaml
+from helpers import (
+    USER_ARCHITECTURE,
+    chat_rows,
+    read_metrics,
+    reference_losses,
+    run,
+    save_user_model,
+    torchrun,
+    user_rows,
+    write_user_dataset,
+)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+SFT = ["-m", "dtrain.sft"]
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+    root = tmp_path_factory.mktemp("user")
+    return {
+        "llama": save_user_model(root / "llama"),
+        "phi3": save_user_model(root / "phi3", "phi3", sliding_window=None),
+        "gpt_neox": save_user_model(root / "gpt_neox", "gpt_neox"),
+        "data": write_user_dataset(root / "my.jsonl"),  # 32 rows: the default global batch
+    }
+
+
+@pytest.fixture(scope="module")
+def user_run(user, tmp_path_factory):
+    """The README's fine-tuning command on the fixture, with a tiny step count and an export."""
+    run_dir = tmp_path_factory.mktemp("user_run")
+    command = [
+        *SFT,
+        f"model.name_or_path={user['llama']}",
+        f"data.path={user['data']}",
+        "data.input_key=question",
+        "parallel.tp=2",
+        "train.max_steps=2",
+        "checkpoint.export_hf=true",
+        "checkpoint.export_dtype=fp32",
+        f"hydra.run.dir={run_dir}",
+    ]
+    result = torchrun(4, *command, timeout=300)
+    assert result.returncode == 0, result.stdout[-5000:]
+    return run_dir, result.stdout
+
+
+def test_step_one_is_the_users_model_on_the_users_rows(user, user_run):
+    """Step 1 covers the whole dataset (32 rows = the default global batch, in any order), so its
+    token-mean loss is the plain transformers forward of the folder's weights over every row."""
+    run_dir, _ = user_run
+    model = AutoModelForCausalLM.from_pretrained(user["llama"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(user["llama"])
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for ids, labels in chat_rows(tokenizer, user_rows()):
+            logits = model(input_ids=ids[None]).logits[0]
+            total += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").item()
+            tokens += int((labels != -100).sum())
+    first = read_metrics(run_dir)[0]
+    assert first["tokens"] == tokens
+    assert first["loss"] == pytest.approx(total / tokens, rel=1e-5)
+
+
+def test_export_is_the_users_architecture(user, user_run):
+    run_dir, _ = user_run
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+    assert exported.config.vocab_size == USER_ARCHITECTURE["vocab_size"]
+    assert exported.config.hidden_size == USER_ARCHITECTURE["hidden_size"]
+    assert len(AutoTokenizer.from_pretrained(run_dir / "hf")) == len(
+        AutoTokenizer.from_pretrained(user["llama"])
+    )
+
+
+def test_no_embedded_setting_leaks_into_the_users_run(user, user_run):
+    run_dir, stdout = user_run
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["model"] == {
+        "name_or_path": str(user["llama"]),
+        "config": {},
+        "init": "pretrained",  # auto, resolved: the folder has weights
+        "tokenizer": None,
+    }
+    assert config["data"]["path"] == str(user["data"]) and config["data"]["input_key"] == "question"
+    assert config["data"]["max_len"] == 128  # the schema's, not the embedded 32
+    assert config["optim"]["lr"] == 2e-5 and config["optim"]["warmup_steps"] == 0
+    assert config["train"]["micro_batch_size"] == 4 and config["train"]["log_every"] == 1
+    assert config["parallel"]["tp"] == 2  # typed
+    summary = next(line for line in stdout.splitlines() if "per-rank shards" in line)
+    assert f"model {user['llama']} (weights loaded) | tokenizer {user['llama']}" in summary
+
+
+def refused(result) -> str:
+    """The one dtrain error line of a torchrun that must fail before launch, without a traceback."""
+    # torchrun itself exits 1 when its workers do, and names their exit code
+    assert result.returncode == 1 and re.search(r"exitcode\s*: 2 ", result.stdout), result.stdout[-3000:]
+    assert not re.search(r'File "[^"]*/dtrain/[^"]*", line', result.stdout), result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("dtrain: error:")]
+    assert len(errors) == 1, result.stdout[-3000:]
+    return errors[0]
+
+
+def test_tp_beyond_the_folders_kv_heads_is_refused(user, tmp_path):
+    args = [f"model.name_or_path={user['llama']}", f"data.path={user['data']}", "parallel.tp=4"]
+    line = refused(torchrun(4, *SFT, *args, f"hydra.run.dir={tmp_path}", timeout=120))
+    assert "num_key_value_heads=2 is not divisible by parallel.tp=4" in line
+
+
+def test_a_family_without_a_plan_is_refused_at_tp_2_before_any_process_group(user, tmp_path):
+    args = [f"model.name_or_path={user['gpt_neox']}", f"data.path={user['data']}", "parallel.tp=2"]
+    line = refused(
+        torchrun(2, *SFT, *args, "data.input_key=question", f"hydra.run.dir={tmp_path}", timeout=120)
+    )
+    assert "'gpt_neox' has no TP plan" in line and "llama" in line
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_family_without_a_plan_trains_fsdp_only_at_tp_1(user, tmp_path, nproc):
+    """Phi-3 (fused qkv_proj / gate_up_proj) on 1 and 2 ranks: the plain transformers loop's losses."""
+    steps, batch, lr = 3, 8, 1e-3
+    args = [
+        f"model.name_or_path={user['phi3']}",
+        f"data.path={user['data']}",
+        "data.input_key=question",
+        "data.shuffle=false",
+        f"train.max_steps={steps}",
+        f"train.global_batch_size={batch}",
+        "train.micro_batch_size=4",
+        f"optim.lr={lr}",
+        "checkpoint.save_final=false",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    result = run([sys.executable, *SFT, *args]) if nproc == 1 else torchrun(nproc, *SFT, *args, timeout=300)
+    assert result.returncode == 0, result.stdout[-5000:]
+    losses = [record["loss"] for record in read_metrics(tmp_path)]
+    expected = reference_losses(user["phi3"], user_rows(), steps, batch, lr)
+    assert losses == pytest.approx(expected, rel=1e-5)
