@@ -1,10 +1,10 @@
 """`python bench/gpu_check.py`: the device check for one lent GPU (an H200). dtrain on a 1×1 mesh vs
-the plain PyTorch + transformers loop, on a Llama-3.2-1B-shaped model (random init from
-conf/model/llama3_2_1b.yaml's architecture: nothing is downloaded), bf16, eager and compiled, with
-one document per row and with packed rows. Prints each group's rows as it finishes, then one table:
-tokens/s (all, supervised), MFU, step time, peak memory (what each variant adds), ratio to the first
-row; then the host syncs of one dtrain step (CUDA's sync debug mode). Meant to finish in under 8
-minutes including compilation and warm-up.
+the plain PyTorch + transformers loop, on a Llama-3.2-1B-shaped model (random init from its
+config.json shipped in dtrain/assets/architectures: nothing is downloaded), bf16, eager and
+compiled, with one document per row and with packed rows; dtrain also with parallel.loss_impl=fused.
+Prints each group's rows as it finishes, then one table: tokens/s (all, supervised), MFU, step time,
+peak memory (what each variant adds), ratio to the first row; then the host syncs of one dtrain step
+(CUDA's sync debug mode). Meant to finish in under 8 minutes including compilation and warm-up.
 
 `--dry-run` runs the same code on the CPU with the bench's tiny model, one step each (bf16 too), so
 the script's logic is checked where no GPU is lent. Packed rows take the flex path on CUDA only."""
@@ -12,14 +12,15 @@ the script's logic is checked where no GPU is lent. Packed rows take the flex pa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -34,13 +35,15 @@ from dtrain.bench import (  # noqa: E402
     plain_loop,
     print_table,
 )
+from dtrain.config import ParallelConfig  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
+from dtrain.model import ARCHITECTURES  # noqa: E402
 
-MODEL_YAML = ROOT / "conf" / "model" / "llama3_2_1b.yaml"
+LLAMA_1B = ARCHITECTURES / "meta-llama" / "Llama-3.2-1B" / "config.json"
 
 
 def llama_1b() -> dict:
-    return dict(yaml.safe_load(MODEL_YAML.read_text())["config"])
+    return json.loads(LLAMA_1B.read_text())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -95,10 +98,13 @@ def main(argv: list[str] | None = None) -> None:
         for packed in (False, True):
             setup = Setup(model, args.batch, args.seq, "bf16", packed=packed, compile=compiled)
             mb = make_batch(setup, device)
+            # parallel.loss_impl=fused at the config's default chunk
+            fused = dataclasses.replace(setup, loss_impl="fused", loss_chunk=ParallelConfig().loss_chunk)
             label = f"{'compiled' if compiled else 'eager'}, {'packed' if packed else 'unpacked'}"
             builds = {
                 f"plain loop, {label}": lambda s=setup, b=mb: plain_loop(s, b, device),
                 f"dtrain 1x1, {label}": lambda s=setup, b=mb: dtrain_step(s, b, device, 1, 1),
+                f"dtrain 1x1 fused, {label}": lambda s=fused, b=mb: dtrain_step(s, b, device, 1, 1),
             }
             group = measure(builds, setup, device, args)  # the models die with `builds`' steps
             results += group

@@ -61,13 +61,14 @@ def real_step_peak(config: PlanConfig) -> tuple[int, int]:
         optimizer = build_optimizer(model, config.optim)
         params = list(model.parameters())
         train, max_norm = config.train, config.optim.max_grad_norm
+        impl, chunk = config.parallel.loss_impl, config.parallel.loss_chunk  # the planner's loss
         accumulation = train.global_batch_size // train.micro_batch_size
         micro_batches = step_inputs(train.micro_batch_size, config.data.max_len, accumulation, device)
         tokens = torch.tensor(float(train.global_batch_size * config.data.max_len), device=device)
 
         def step() -> None:
             for micro_batch in micro_batches[: tracked_micro_batches(accumulation)]:
-                micro_step(model, micro_batch, tokens, config.parallel.loss_parallel)
+                micro_step(model, micro_batch, tokens, config.parallel.loss_parallel, impl, chunk)
             optimizer_step(optimizer, params, max_norm)
 
         step()  # warm-up: AdamW's states, cuBLAS handles
@@ -84,6 +85,8 @@ def real_step_peak(config: PlanConfig) -> tuple[int, int]:
             config.parallel.loss_parallel,
             max_norm,
             run=tracked_micro_batches(accumulation),
+            loss_impl=impl,
+            loss_chunk=chunk,
         )
         return cuda_peak, tracked.peak
     finally:

@@ -1,5 +1,6 @@
 """The run that motivated dtrain, planned: Llama-3-8B on 4 ranks at tp=2 and tp=4, max_len 2048,
-micro batch 4, full activation checkpointing, bf16; DeepSpeed's layouts beside it (analytic).
+micro batch 4, full activation checkpointing, bf16; dtrain with the dense loss and with
+parallel.loss_impl=fused (default loss_chunk); DeepSpeed's layouts beside it (analytic).
 Prints a Markdown table (GB = 1e9 bytes, as in the design notes) for docs/estimate.md.
 
     python bench/plan_motivating_run.py [--gpu-memory-gib 80]
@@ -14,11 +15,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtrain.estimate.app import compose  # noqa: E402
-from dtrain.estimate.planner import plan  # noqa: E402
+from dtrain.estimate.deepspeed import Layout  # noqa: E402
+from dtrain.estimate.planner import Plan, plan  # noqa: E402
 from dtrain.estimate.report import comparisons, verdict  # noqa: E402
 
 WORLD = 4
 GB = 1e9
+
+
+def measured_peak(planned: Plan, gpu_memory_gib: float) -> str:
+    v = verdict(planned.step.peak, gpu_memory_gib)
+    phase = planned.step.peak_phase.split(" (")[0]  # "loss", "optimizer step", "backward of NAME"
+    return (
+        f"{planned.step.peak / GB:.1f} GB ({'fits' if v['fits'] else 'does not fit'} in "
+        f"{gpu_memory_gib:g} GiB; in the {phase.replace('LlamaForCausalLM.model.', '')})"
+    )
+
+
+def row(name: str, layout: Layout, logits: str, peak: str) -> str:
+    return (
+        f"| {name} | {layout.tp} × {layout.dp} | {layout.model_state / GB:.1f} GB "
+        f"| {layout.embedding_and_head / GB:.1f} GB | {logits} | {peak} |"
+    )
 
 
 def main() -> None:
@@ -42,22 +60,38 @@ def main() -> None:
             f"estimate.world_size={WORLD}",
         ]
         planned = plan(compose(overrides), WORLD)
-        v = verdict(planned.step.peak, args.gpu_memory_gib)
+        fused = plan(compose([*overrides, "parallel.loss_impl=fused"]), WORLD)
         for layout in comparisons(planned):
             key = (layout.name, layout.tp)
             if key in seen or (layout.name.startswith("ZeRO-") and "AutoTP" not in layout.name and tp != 4):
                 continue  # the plain ZeRO rows do not depend on tp: print them once
             seen.add(key)
-            measured = layout.name.startswith("dtrain")
-            peak = (
-                f"{planned.step.peak / GB:.1f} GB ({'fits' if v['fits'] else 'does not fit'} in "
-                f"{args.gpu_memory_gib:g} GiB; {planned.step.peak_phase}; planned in {planned.seconds:.0f} s)"
-                if measured
-                else "(analytic: model state + logits only)"
-            )
+            if not layout.name.startswith("dtrain"):
+                print(
+                    row(
+                        layout.name,
+                        layout,
+                        f"{layout.logits / GB:.2f} GB",
+                        "(analytic: model state + logits only)",
+                    )
+                )
+                continue
             print(
-                f"| {layout.name} | {layout.tp} × {layout.dp} | {layout.model_state / GB:.1f} GB "
-                f"| {layout.embedding_and_head / GB:.1f} GB | {layout.logits / GB:.2f} GB | {peak} |"
+                row(
+                    layout.name,
+                    layout,
+                    f"{layout.logits / GB:.2f} GB",
+                    measured_peak(planned, args.gpu_memory_gib),
+                )
+            )
+            chunk = f"none; one chunk's temporaries {fused.step.loss_temporaries / GB:.2f} GB"
+            print(
+                row(
+                    "dtrain, loss_impl=fused (measured)",
+                    comparisons(fused)[0],
+                    chunk,
+                    measured_peak(fused, args.gpu_memory_gib),
+                )
             )
 
 

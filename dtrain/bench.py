@@ -70,7 +70,8 @@ class Setup:
     precision: str = "fp32"  # bf16: FSDP's mixed precision in dtrain, autocast in the plain loop
     packed: bool = False  # rows of several documents (position_ids restart, document mask)
     compile: bool = False  # torch.compile each decoder layer (dtrain and the plain loop alike)
-    loss_chunk: int = 0  # dtrain only
+    loss_impl: str = "dense"  # dtrain only: parallel.loss_impl
+    loss_chunk: int = 0  # dtrain only: parallel.loss_chunk (chunked and fused)
 
 
 @dataclass
@@ -161,7 +162,13 @@ def dtrain_step(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device,
     config = Config(
         model=ModelConfig(config=dict(setup.model), init="random", tokenizer=str(TOKENIZER)),
         data=DataConfig(max_len=setup.seq, packing=setup.packed),
-        parallel=ParallelConfig(tp=tp, dp_shard=dp, loss_chunk=setup.loss_chunk, compile=setup.compile),
+        parallel=ParallelConfig(
+            tp=tp,
+            dp_shard=dp,
+            loss_impl=setup.loss_impl,
+            loss_chunk=setup.loss_chunk,
+            compile=setup.compile,
+        ),
         optim=OptimConfig(lr=LR, max_grad_norm=MAX_NORM, schedule="constant"),
         train=TrainConfig(global_batch_size=setup.batch * dp, micro_batch_size=setup.batch),
     )
@@ -177,7 +184,7 @@ def dtrain_step(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device,
     tokens = (mb["labels"] != IGNORE).sum().float() * dp  # every dp rank's batch has as many
 
     def step() -> None:
-        micro_step(model, mb, tokens, True, setup.loss_chunk)
+        micro_step(model, mb, tokens, True, setup.loss_impl, setup.loss_chunk)
         optimizer_step(optimizer, params, MAX_NORM)
 
     return step
@@ -245,16 +252,25 @@ def measure(
     ]
 
 
+def loss_variants(
+    name: str, setup: Setup, mb: dict, device: torch.device, dp: int, tp: int, loss_chunk: int
+) -> dict[str, Callable[[], Step]]:
+    """dtrain on one mesh with the dense loss (`name`), then chunked and fused (when loss_chunk)."""
+    builds = {name: lambda: dtrain_step(setup, mb, device, dp, tp)}
+    for impl in ("chunked", "fused") if loss_chunk else ():
+        variant = Setup(**{**asdict(setup), "loss_impl": impl, "loss_chunk": loss_chunk})
+        builds[f"{name} {impl} loss_chunk={loss_chunk}"] = lambda v=variant: dtrain_step(
+            v, mb, device, dp, tp
+        )
+    return builds
+
+
 def in_process_variants(setup: Setup, device: torch.device, loss_chunk: int) -> dict[str, Callable[[], Step]]:
     mb = make_batch(setup, device)
-    chunked = Setup(**{**asdict(setup), "loss_chunk": loss_chunk})
-    builds = {
+    return {
         "plain torch + transformers loop": lambda: plain_loop(setup, mb, device),
-        "dtrain 1x1": lambda: dtrain_step(setup, mb, device, 1, 1),
+        **loss_variants("dtrain 1x1", setup, mb, device, 1, 1, loss_chunk),
     }
-    if loss_chunk:
-        builds[f"dtrain 1x1 loss_chunk={loss_chunk}"] = lambda: dtrain_step(chunked, mb, device, 1, 1)
-    return builds
 
 
 def run_worker(kind: str, args: argparse.Namespace, nproc: int) -> list[dict] | str:
@@ -283,7 +299,8 @@ def mesh_worker(kind: str, setup: Setup, args: argparse.Namespace) -> list[Resul
     dp, tp = (int(n) for n in kind.split("x"))
     device = init_distributed(timeout_s=300)
     mb = make_batch(setup, device, seed=0)  # tp ranks must agree; dp ranks may too (same cost)
-    builds = {f"dtrain {kind}": lambda: dtrain_step(setup, mb, device, dp, tp)}
+    # The loss variants where tp shards the vocabulary (their collectives are the difference).
+    builds = loss_variants(f"dtrain {kind}", setup, mb, device, dp, tp, args.loss_chunk if tp > 1 else 0)
     results = measure(builds, setup, device, args, devices=dist.get_world_size(), dp=dp)
     for result in results:
         if result.peak_gib is not None:
@@ -332,7 +349,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=10, help="variants alternate; the best round counts")
-    parser.add_argument("--loss-chunk", type=int, default=64, help="a dtrain 1x1 chunked variant; 0: none")
+    parser.add_argument(
+        "--loss-chunk", type=int, default=64, help="chunked and fused variants (1x1, tp > 1 meshes); 0: none"
+    )
     parser.add_argument("--meshes", default="default", help="comma-separated DPxTP meshes; '' for none")
     parser.add_argument("--hf-trainer", type=int, default=1, help="1: add the HF Trainer variant")
     parser.add_argument("--worker-timeout", type=int, default=600)

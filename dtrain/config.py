@@ -23,6 +23,7 @@ ESTIMATE_FORMATS = ("table", "json")
 EXPORT_DTYPES = ("bf16", "fp32")
 DATA_FORMATS = ("prompt_response", "messages", "text")
 OVERLONG = ("truncate", "drop")
+LOSS_IMPLS = ("dense", "chunked", "fused")
 MODEL_INITS = ("auto", "pretrained", "random")
 # What marks data.path as meant to be local (so a typo is "no such file", not a failed hub lookup).
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
@@ -92,7 +93,10 @@ class ParallelConfig:
     dp_replicate: int = 1
     sequence_parallel: bool = True
     loss_parallel: bool = True
-    loss_chunk: int = 0  # >0: lm_head + loss this many local positions at a time (less logits memory)
+    # dense: whole logits, then loss parallel's cross-entropy | chunked: lm_head + loss per chunk,
+    # recomputed in backward | fused: head, loss and gradients in one pass per chunk (no recompute)
+    loss_impl: str = "dense"
+    loss_chunk: int = 256  # chunked / fused: local sequence positions per chunk
     activation_checkpointing: str = "none"  # none | full (each decoder layer) | selective (op-level)
     compile: bool = False  # torch.compile each decoder layer
     # After forward, free each layer's gathered parameters: auto (all layers but the last) | always | never
@@ -287,8 +291,12 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     _one_of("train.sweep_on_failure", train.sweep_on_failure, SWEEP_ON_FAILURE)
     _one_of("parallel.activation_checkpointing", parallel.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _one_of("optim.schedule", config.optim.schedule, SCHEDULES)
-    if parallel.loss_chunk < 0:
-        raise ConfigError(f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 0 (0: off)")
+    _one_of("parallel.loss_impl", parallel.loss_impl, LOSS_IMPLS)
+    if parallel.loss_impl != "dense" and parallel.loss_chunk < 1:
+        raise ConfigError(
+            f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 1 "
+            f"with parallel.loss_impl={parallel.loss_impl}"
+        )
     _one_of("parallel.reshard_after_forward", parallel.reshard_after_forward, RESHARD_AFTER_FORWARD)
     if parallel.fsdp_prefetch < 0:
         raise ConfigError(
@@ -331,6 +339,7 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
         raise ConfigError("model.tokenizer: needed when model.name_or_path is not set")
 
     check_tp_support(model_config.model_type, shape.tp)
+    check_loss_support(model_config.model_type, parallel.loss_impl)
     # vocab_size need not divide: the embedding and lm_head are padded (dtrain.parallel.vocab).
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(model_config, key, None)
@@ -347,6 +356,20 @@ def check_tp_support(model_type: str, tp: int) -> None:
         raise ConfigError(
             f"model type {model_type!r} has no TP plan, so it trains with parallel.tp=1 only (FSDP); "
             f"parallel.tp={tp} needs one of: {', '.join(TP_PLANS)}"
+        )
+
+
+def check_loss_support(model_type: str, loss_impl: str) -> None:
+    """chunked and fused compute the logits as lm_head(hidden) themselves, in place of the model's
+    own head forward: right for the families with a TP plan (a bias-free lm_head and nothing after
+    it), not for a head of another name (gpt_neox's embed_out) or logits post-processed
+    (softcapping, scaling). Other families train with the dense loss, the model's own logits."""
+    from dtrain.parallel.parallelize import TP_PLANS  # imported here: parallelize imports this module
+
+    if loss_impl != "dense" and model_type not in TP_PLANS:
+        raise ConfigError(
+            f"parallel.loss_impl={loss_impl}: computes lm_head's logits itself, checked for "
+            f"{', '.join(TP_PLANS)} only; model type {model_type!r} trains with parallel.loss_impl=dense"
         )
 
 

@@ -19,6 +19,7 @@ from dtrain.config import Config, MeshShape
 from dtrain.data import IGNORE, build_data, load_tokenizer
 from dtrain.distributed import Parallel, build_parallel
 from dtrain.export import export_hf
+from dtrain.fused_loss import FusedLinearCrossEntropy
 from dtrain.loss import chunked_summed_cross_entropy, head_detached, loss_context, summed_cross_entropy
 from dtrain.metrics import count_parameters, flops_per_token, log, memory_figures, open_sinks, peak_flops
 from dtrain.model import build_meta_model, materialize, resolve_model_path, tokenizer_source
@@ -105,7 +106,12 @@ def train(
             loss_sum = torch.zeros((), device=device)
             for mb in micro_batches:
                 loss_sum += micro_step(
-                    model, mb, tokens, config.parallel.loss_parallel, config.parallel.loss_chunk
+                    model,
+                    mb,
+                    tokens,
+                    config.parallel.loss_parallel,
+                    config.parallel.loss_impl,
+                    config.parallel.loss_chunk,
                 )
             guard.poison(step + 1, model)
             lr = scheduler.get_last_lr()[0]
@@ -134,6 +140,7 @@ def train(
                         device,
                         config.parallel.loss_parallel,
                         dp_group,
+                        config.parallel.loss_impl,
                         config.parallel.loss_chunk,
                     ),
                 }
@@ -188,6 +195,7 @@ def evaluate(
     device: torch.device,
     loss_parallel: bool,
     dp_group: Any,
+    loss_impl: str = "dense",
     loss_chunk: int = 0,
 ) -> dict[str, Any]:
     """eval_loss: the token mean over the whole eval set (every dp rank's share)."""
@@ -196,7 +204,7 @@ def evaluate(
     for mb in micro_batches:
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         with loss_context(loss_parallel):
-            totals[0] += summed_loss(model, mb, loss_chunk)
+            totals[0] += summed_loss(model, mb, loss_impl, loss_chunk)
         totals[1] += (mb["labels"] != IGNORE).sum()
     dist.all_reduce(totals, group=dp_group)
     model.train()
@@ -208,32 +216,43 @@ def micro_step(
     micro_batch: dict[str, torch.Tensor],
     tokens: torch.Tensor,
     loss_parallel: bool,
+    loss_impl: str = "dense",
     loss_chunk: int = 0,
 ) -> torch.Tensor:
     """Forward, loss and backward of one micro-batch; returns its summed loss, detached. A function of
     its own so the logits die with it, and so dtrain.estimate measures exactly this step."""
     with loss_context(loss_parallel):
-        loss = summed_loss(model, micro_batch, loss_chunk)
+        loss = summed_loss(model, micro_batch, loss_impl, loss_chunk)
         (loss / tokens).backward()
     return loss.detach()
 
 
 def summed_loss(
-    model: torch.nn.Module, micro_batch: dict[str, torch.Tensor], loss_chunk: int = 0
+    model: torch.nn.Module,
+    micro_batch: dict[str, torch.Tensor],
+    loss_impl: str = "dense",
+    loss_chunk: int = 0,
 ) -> torch.Tensor:
-    """Forward one micro-batch (inside loss_context) and sum its token losses; with loss_chunk > 0
-    the lm_head and loss run `loss_chunk` local positions at a time (parallel.loss_chunk)."""
+    """Forward one micro-batch (inside loss_context) and sum its token losses (parallel.loss_impl):
+    dense, lm_head's whole logits then cross-entropy; chunked, lm_head + loss `loss_chunk` local
+    positions at a time, each chunk recomputed in backward; fused, the head, loss and gradients in
+    one pass per chunk (dtrain.fused_loss), nothing recomputed."""
     inputs = dict(
         input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
     )
-    if loss_chunk <= 0:
-        return summed_cross_entropy(model(**inputs).logits, micro_batch["labels"])
+    labels = micro_batch["labels"]
+    if loss_impl == "dense":
+        return summed_cross_entropy(model(**inputs).logits, labels)
+    if loss_impl not in ("chunked", "fused"):
+        raise ValueError(f"loss_impl={loss_impl!r}: must be dense, chunked or fused")
     with head_detached(model) as head, warnings.catch_warnings():
         # The identity head returns HF's slice of the hidden states, a view: FSDP2 warns against
-        # in-place ops on it, and the chunked loss only slices and reads it.
+        # in-place ops on it, and the chunked losses only slice and read it.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
         hidden = model(**inputs).logits
-    return chunked_summed_cross_entropy(head, hidden, micro_batch["labels"], loss_chunk)
+    if loss_impl == "chunked":
+        return chunked_summed_cross_entropy(head, hidden, labels, loss_chunk)
+    return FusedLinearCrossEntropy(loss_chunk, model.config.vocab_size)(hidden, head.weight, labels)
 
 
 def optimizer_step(

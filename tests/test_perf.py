@@ -88,7 +88,7 @@ def test_planner_shows_the_chunked_loss_saving():
     config = parity_config(None, dp=2, tp=2)
     config.model.config["vocab_size"] = 8192  # logits large enough to dominate the peak
     unchunked = plan(config, 4).step
-    config.parallel.loss_chunk = 4
+    config.parallel.loss_impl, config.parallel.loss_chunk = "chunked", 4
     chunked = plan(config, 4).step
     local_len = MAX_LEN // 2  # the sequence-parallel shard
     assert chunked.logits * (local_len // 4) == unchunked.logits, (chunked.logits, unchunked.logits)
@@ -122,7 +122,7 @@ def test_prefetching_loader_gives_the_same_stream_and_resumes_mid_stream():
 @pytest.mark.parametrize(
     "key,value",
     [
-        ("loss_chunk", -1),
+        ("loss_impl", "sparse"),
         ("fsdp_prefetch", -1),
         ("reshard_after_forward", "sometimes"),
         ("activation_checkpointing", "partial"),
@@ -148,7 +148,8 @@ def test_bench_prints_one_table_of_every_variant():
         line[:36].strip(): line[36:].split() for line in lines if line.startswith(("plain", "dtrain", "HF"))
     }
     assert "CPU figures" in result.stdout
-    names = ["plain torch + transformers loop", "dtrain 1x1", "dtrain 1x1 loss_chunk=64", "dtrain 2x1"]
+    names = ["plain torch + transformers loop", "dtrain 1x1", "dtrain 1x1 chunked loss_chunk=64"]
+    names += ["dtrain 1x1 fused loss_chunk=64", "dtrain 2x1"]
     assert [name for name in rows if not name.startswith("HF")] == names, result.stdout
     assert "HF Trainer" in rows or any(line.startswith("HF Trainer: not run") for line in lines)
     assert rows[names[0]][-1] == "1.00"

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState, _FSDPRefType
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dtrain.fused_loss import FusedLinearCrossEntropy
 from dtrain.model import canonical_name
 from dtrain.trainer import micro_step, optimizer_step
 
@@ -53,9 +55,12 @@ class StepMemory:
     peak: int
     at_peak: dict[str, int]  # PEAK_GROUPS at the moment of the peak; sums to `peak`
     peak_phase: str  # where the peak happened: optimizer step, loss, or a module's forward / backward
-    logits: int  # lm_head's output (this rank's shard), part of the activations
+    logits: int  # lm_head's output (this rank's shard), part of the activations; 0 when fused
     micro_batches: int
     modules: list[ModulePeak] = field(default_factory=list)
+    # loss_impl=fused: the temporaries of the loss's forward (its peak minus what it keeps: the
+    # saved gradients), max over micro-batches; None for the other losses (not a module of their own)
+    loss_temporaries: int | None = None
 
 
 class _ModuleStats(WeakIdKeyDictionary):
@@ -128,6 +133,7 @@ def track_step(
     loss_parallel: bool,
     max_grad_norm: float,
     run: int | None = None,
+    loss_impl: str = "dense",
     loss_chunk: int = 0,
 ) -> StepMemory:
     """Run one optimizer step (the first `run` of `micro_batches`, default all; then clip and
@@ -139,12 +145,13 @@ def track_step(
     logits: list[int] = []
     hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(_local_bytes(out)))
     modules: dict[str, ModulePeak] = {}
+    probe = _LossProbe(tracker)
     try:
         with tracker:
             for index, micro_batch in enumerate(micro_batches[:run]):
                 if index:  # the tracker follows one forward per module: start its module stats afresh
                     tracker.reset_mod_stats()
-                micro_step(model, micro_batch, tokens, loss_parallel, loss_chunk)
+                micro_step(model, micro_batch, tokens, loss_parallel, loss_impl, loss_chunk)
                 _harvest(tracker, modules)
             peak_before_optimizer = _total(tracker.get_tracker_snapshot("peak"), TOTAL)
             grads = _total(tracker.get_tracker_snapshot("current"), _R.SHARDED_GRAD)
@@ -152,6 +159,7 @@ def track_step(
             current = tracker.get_tracker_snapshot("current")
     finally:
         hook.remove()
+        probe.remove()
     peak_snapshot = tracker.get_tracker_snapshot("peak")
     peak = _total(peak_snapshot, TOTAL)
     phase = _peak_phase(peak, peak_before_optimizer, list(modules.values()))
@@ -164,10 +172,46 @@ def track_step(
         peak=peak,
         at_peak=at_peak,
         peak_phase=phase,
-        logits=max(logits),
+        logits=max(logits, default=0),  # the fused loss never calls lm_head
         micro_batches=len(micro_batches[:run]),
         modules=sorted(modules.values(), key=lambda m: -max(m.peak_forward, m.peak_backward)),
+        loss_temporaries=max(probe.transients, default=None),
     )
+
+
+class _LossProbe:
+    """The temporaries of each fused-loss forward: the tracker's peak within it minus the memory in
+    use after it (what stays is the saved gradients). FSDPMemTracker follows FSDP modules only, so
+    module hooks on FusedLinearCrossEntropy restart the tracker's peak (private: _peak_mem,
+    _peak_mem_snap) at the loss's start and put back the step's peak when that was higher."""
+
+    def __init__(self, tracker: FSDPMemTracker) -> None:
+        self.tracker, self.transients = tracker, []
+        self.handles = [
+            register_module_forward_pre_hook(self._before),
+            register_module_forward_hook(self._after),
+        ]
+
+    def _current(self) -> dict:
+        return {dev: snap[TOTAL] for dev, snap in self.tracker._curr_mem_snap.items()}
+
+    def _before(self, module: nn.Module, args: object) -> None:
+        if isinstance(module, FusedLinearCrossEntropy):
+            self.saved = dict(self.tracker._peak_mem), dict(self.tracker._peak_mem_snap)
+            self.tracker._peak_mem = self._current()
+
+    def _after(self, module: nn.Module, args: object, output: object) -> None:
+        if not isinstance(module, FusedLinearCrossEntropy):
+            return
+        tracker, (peak, snap) = self.tracker, self.saved
+        self.transients.append(sum(tracker._peak_mem.values()) - sum(self._current().values()))
+        for dev, value in peak.items():
+            if value >= tracker._peak_mem.get(dev, 0):
+                tracker._peak_mem[dev], tracker._peak_mem_snap[dev] = value, snap[dev]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def step_inputs(

@@ -141,9 +141,8 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
             micro_batches = step_inputs(train.micro_batch_size, config.data.max_len, accumulation, CPU)
             tokens = torch.tensor(float(train.global_batch_size * config.data.max_len))
             # Warm-up: DTensor's first run of each op, and AdamW's states, before measuring.
-            micro_step(
-                model, micro_batches[0], tokens, config.parallel.loss_parallel, config.parallel.loss_chunk
-            )
+            loss = config.parallel.loss_impl, config.parallel.loss_chunk
+            micro_step(model, micro_batches[0], tokens, config.parallel.loss_parallel, *loss)
             optimizer_step(optimizer, params, config.optim.max_grad_norm)
             step = track_step(
                 model,
@@ -153,6 +152,7 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
                 config.parallel.loss_parallel,
                 config.optim.max_grad_norm,
                 run=tracked_micro_batches(accumulation),
+                loss_impl=config.parallel.loss_impl,
                 loss_chunk=config.parallel.loss_chunk,
             )
             layers = _layer_bytes(model)

@@ -115,7 +115,11 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         f"  at the peak, in the {step.peak_phase}:",
         *(row("  " + AT_PEAK_LABELS[k], value) for k, value in step.at_peak.items()),
         row("peak", step.peak),
-        row("logits of one micro-batch (lm_head output shard)", step.logits),
+        *(
+            [row("logits of one micro-batch (lm_head output shard)", step.logits)]
+            if step.loss_temporaries is None
+            else [row("fused loss: temporaries (one chunk's logits at a time)", step.loss_temporaries)]
+        ),
         "",
         f"verdict: {'FITS' if v['fits'] else 'DOES NOT FIT'} in {gpu_memory_gib:g} GiB, headroom "
         f"{v['headroom_bytes'] / GIB:.2f} GiB ({v['headroom_fraction']:.0%})",

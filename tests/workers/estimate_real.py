@@ -63,14 +63,17 @@ def run(overrides: list[str], device: torch.device) -> dict:
         return micro_batches, tokens
 
     loss_parallel, max_norm = config.parallel.loss_parallel, config.optim.max_grad_norm
+    impl, chunk = config.parallel.loss_impl, config.parallel.loss_chunk  # the planner's loss
     micro_batches, tokens = step_batches(0)  # warm-up, as the planner does
     for mb in micro_batches:
-        micro_step(model, mb, tokens, loss_parallel)
+        micro_step(model, mb, tokens, loss_parallel, impl, chunk)
     optimizer_step(optimizer, params, max_norm)
     micro_batches, tokens = step_batches(1)
-    tracked = track_step(model, optimizer, micro_batches, tokens, loss_parallel, max_norm)
+    tracked = track_step(
+        model, optimizer, micro_batches, tokens, loss_parallel, max_norm, loss_impl=impl, loss_chunk=chunk
+    )
 
-    micro_step(model, micro_batches[0], tokens, loss_parallel)  # gradients to count
+    micro_step(model, micro_batches[0], tokens, loss_parallel, impl, chunk)  # gradients to count
     real = {
         "params": storage_bytes([*model.parameters(), *model.buffers()]),
         "grads": storage_bytes(p.grad for p in params),

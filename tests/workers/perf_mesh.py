@@ -64,7 +64,7 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
 
 def loss_and_grads(model: torch.nn.Module, mb: dict, chunk: int) -> tuple[float, dict]:
     tokens = (mb["labels"] != IGNORE).sum().float()
-    loss = micro_step(model, mb, tokens, True, chunk)
+    loss = micro_step(model, mb, tokens, True, "chunked" if chunk else "dense", chunk)
     grads = {canonical_name(name): full(p.grad).clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return loss.item(), grads
@@ -81,7 +81,7 @@ def check_chunked_loss(model: torch.nn.Module) -> None:
             assert error <= TOL, (chunk, name, error)
     with torch.no_grad(), loss_context(True):
         eval_reference = summed_loss(model, batch(1)).item()
-        eval_chunked = summed_loss(model, batch(1), 7).item()
+        eval_chunked = summed_loss(model, batch(1), "chunked", 7).item()
     assert abs(eval_chunked - eval_reference) <= TOL * abs(eval_reference), (eval_chunked, eval_reference)
 
 

@@ -70,7 +70,15 @@ def main() -> None:
         ),
         # tied and the chunked loss in one run (the suite's time budget); 16 local positions, 2 chunks
         "pad_tied_chunk": run(
-            "pad_tied_chunk", out, args.tied, 2, 2, device, export=True, parallel__loss_chunk=8
+            "pad_tied_chunk",
+            out,
+            args.tied,
+            2,
+            2,
+            device,
+            export=True,
+            parallel__loss_impl="chunked",
+            parallel__loss_chunk=8,
         ),
     }
     # The padded (2x2) checkpoint resumed on tp=1, which keeps its padded rows.

@@ -1,0 +1,223 @@
+"""Fused vocab-parallel linear cross-entropy (`parallel.loss_impl=fused`).
+
+lm_head's matmul, the vocab-parallel softmax statistics, the summed loss and, in the same pass, the
+gradients w.r.t. the hidden states and the head weight, chunk by chunk over the local sequence. Only
+one chunk's logits (rows × vocab / tp, fp32) is alive at a time and nothing is recomputed in
+backward, which only scales the two saved gradients by the upstream gradient.
+
+Per chunk, on each tp rank (its vocabulary shard of the head weight, padded rows left out):
+logits = h @ W_local.T (fp32) → row max, all-reduced (MAX) over tp → Σ exp(logit − max) and the
+target's logit (from the rank that owns the target id, 0 elsewhere), all-reduced (SUM) in one
+collective → loss = log Σ + max − target logit on supervised rows → the logits buffer becomes, in
+place, softmax − one-hot (zero on ignored rows) → grad_h = that @ W_local (partial over tp:
+reduce-scattered back to the sequence shard, or all-reduced without sequence parallel) and
+grad_W_local += that.T @ h (fp32). Under sequence parallel each chunk of the local shard is
+all-gathered over tp, one chunk at a time, as lm_head's own input hook would.
+
+Memory of one chunk (R rows: micro batch × chunk positions, × tp when gathered; V = local vocab
+rows): the fp32 logits, R·V·4 bytes, reused in place for the softmax and its gradient; in bf16 also
+the bf16 copy of that gradient for the two matmuls (R·V·2); then R·H-sized pieces (the gathered
+chunk, its gradient). The saved gradients are the hidden states' (fp32) and the head weight's
+(fp32 accumulator), what the dense path's backward makes anyway. docs/estimate.md measures it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.distributed.tensor import DTensor
+
+from dtrain.data import IGNORE
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank's part of the head and of the hidden states sit."""
+
+    group: object | None  # the tp process group; None without TP (tp = 1: no collective at all)
+    tp: int
+    tp_rank: int
+    sequence_sharded: bool  # hidden holds this rank's sequence shard (sequence parallel)
+    vocab_start: int  # the first vocabulary id of this rank's weight rows
+    real_rows: int  # this rank's rows below vocab_size; the rest are padding (never a logit)
+
+
+def head_layout(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> Layout:
+    """The layout of a head weight (a DTensor Shard(0) over tp, or a plain tensor at tp = 1) and its
+    input (a DTensor Shard(1) under sequence parallel, else the same full sequence on every rank)."""
+    rows = weight.to_local().shape[0] if isinstance(weight, DTensor) else weight.shape[0]
+    if not isinstance(weight, DTensor) or weight.device_mesh.size() == 1:
+        return Layout(None, 1, 0, False, 0, min(rows, vocab_size))
+    mesh = weight.device_mesh
+    sharded = [dim for dim, p in enumerate(weight.placements) if p.is_shard(0)]
+    if mesh.ndim != 1 or len(sharded) != 1:
+        raise ValueError(f"fused loss: the head weight must be Shard(0) over tp, got {weight.placements}")
+    # The padded vocabulary splits evenly: plain ints from the mesh (the planner runs under fake mode).
+    tp, tp_rank = mesh.size(0), mesh.get_local_rank(0)
+    start = tp_rank * rows
+    real = max(0, min(rows, vocab_size - start))
+    if real == 0:
+        raise ValueError(f"fused loss: tp rank {tp_rank} holds only padded vocabulary rows")
+    sequence_sharded = isinstance(hidden, DTensor) and any(p.is_shard(1) for p in hidden.placements)
+    return Layout(mesh.get_group(0), tp, tp_rank, sequence_sharded, start, real)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, vocab_size: int
+) -> torch.Tensor:
+    """Σ cross-entropy(hidden @ weight.T, labels) over supervised tokens, as a plain fp32 scalar.
+    hidden: (batch, seq, hidden) final hidden states (a DTensor under TP); weight: the head weight
+    (a DTensor Shard(0) under TP, FSDP-unsharded); labels: (batch, seq) over the whole sequence.
+    Gradients reach `weight` (a DTensor gradient with its placements) and `hidden` through the
+    differentiable to_local(), so FSDP2's reduce-scatter and tied embeddings see them as usual."""
+    layout = head_layout(hidden, weight, vocab_size)
+    local_hidden = hidden.to_local() if isinstance(hidden, DTensor) else hidden
+    local_weight = weight.to_local() if isinstance(weight, DTensor) else weight
+    grads = torch.is_grad_enabled() and (local_hidden.requires_grad or local_weight.requires_grad)
+    return _FusedLinearCrossEntropy.apply(local_hidden, local_weight, labels, layout, chunk, grads)
+
+
+class FusedLinearCrossEntropy(nn.Module):
+    """fused_linear_cross_entropy as a module without parameters: memory trackers see modules, so
+    the loss shows as a phase of its own (dtrain.estimate reports its temporaries)."""
+
+    def __init__(self, chunk: int, vocab_size: int) -> None:
+        super().__init__()
+        self.chunk, self.vocab_size = chunk, vocab_size
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return fused_linear_cross_entropy(hidden, weight, labels, self.chunk, self.vocab_size)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, layout: Layout, chunk: int, grads: bool):  # noqa: ANN001, ANN205
+        batch, local_len, width = hidden.shape
+        head = weight[: layout.real_rows]  # a view: the padded rows get no logit and a zero gradient
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if grads else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, local_len, chunk):
+            stop = min(start + chunk, local_len)
+            rows = hidden[:, start:stop].reshape(-1, width)
+            if layout.sequence_sharded:  # every tp rank's chunk, rank-major (as the targets below)
+                rows = _wait(funcol.all_gather_single(rows.contiguous(), 0, layout.group))
+            targets = chunk_targets(labels, layout, local_len, start, stop)
+            loss, grad_logits = _chunk_loss(rows, head, targets, layout, grads)
+            total += loss
+            if grads:
+                low = grad_logits.to(head.dtype)  # no copy in fp32
+                _addmm_fp32_(grad_weight[: layout.real_rows], low.T, rows)
+                grad_rows = _reduce_rows(_mm_fp32(low, head), layout)
+                grad_hidden[:, start:stop] = grad_rows.view(batch, stop - start, width)
+                del low, grad_logits
+        if grads:
+            ctx.save_for_backward(grad_hidden, grad_weight)
+            ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):  # noqa: ANN001, ANN205
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        # In place: the saved gradients serve this one backward (once_differentiable).
+        grad_hidden = grad_hidden.mul_(grad_loss).to(hidden_dtype)
+        grad_weight = grad_weight.mul_(grad_loss).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def chunk_targets(
+    labels: torch.Tensor, layout: Layout, local_len: int, start: int, stop: int
+) -> torch.Tensor:
+    """The target ids of the chunk's rows, flattened: under sequence parallel every tp rank's
+    positions [start, stop) of its shard, rank-major (the all-gather's order), else a plain slice."""
+    if not layout.sequence_sharded:
+        return labels[:, start:stop].reshape(-1)
+    batch = labels.shape[0]
+    shards = labels.view(batch, layout.tp, local_len)[:, :, start:stop]
+    return shards.transpose(0, 1).reshape(-1)
+
+
+def _chunk_loss(
+    rows: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, layout: Layout, grads: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunk's summed loss and (grads) d loss / d logits, in the logits' own buffer."""
+    logits = _mm_fp32(rows, head.T)  # (rows, real vocabulary rows of this rank), fp32
+    local = targets - layout.vocab_start
+    owned = (local >= 0) & (local < layout.real_rows)  # IGNORE (< 0) is never owned
+    index = local.clamp(0, layout.real_rows - 1).unsqueeze(1)
+    target_logit = logits.gather(1, index).squeeze(1) * owned
+    row_max = _all_reduce(logits.amax(1), "max", layout)
+    logits.sub_(row_max.unsqueeze(1)).exp_()
+    sums, target_logit = _all_reduce(torch.stack([logits.sum(1), target_logit]), "sum", layout)
+    supervised = targets != IGNORE
+    loss = torch.where(supervised, sums.log() + row_max - target_logit, 0.0).sum()
+    if not grads:
+        return loss, None
+    logits.mul_((supervised / sums).unsqueeze(1))  # softmax on supervised rows, 0 on ignored ones
+    logits.scatter_add_(1, index, -(owned & supervised).to(logits.dtype).unsqueeze(1))  # − one-hot
+    return loss, logits
+
+
+def _all_reduce(tensor: torch.Tensor, op: str, layout: Layout) -> torch.Tensor:
+    if layout.group is None:
+        return tensor
+    return _wait(funcol.all_reduce(tensor, op, layout.group))
+
+
+def _reduce_rows(grad_rows: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Sum the tp ranks' partial gradients of the chunk's rows (each rank saw only its vocabulary
+    shard): back to this rank's own rows under sequence parallel, else to all of them."""
+    if layout.group is None:
+        return grad_rows
+    if layout.sequence_sharded:
+        return _wait(funcol.reduce_scatter_single(grad_rows, "sum", 0, layout.group))
+    return _wait(funcol.all_reduce(grad_rows, "sum", layout.group))
+
+
+def _wait(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
+
+
+# Whether matmuls with an fp32 output (out_dtype) run for bf16 inputs, by (device type, tensor type):
+# CUDA has them; the CPU does not (then the product is cast); fake tensors (the planner) take CUDA's way.
+_DTYPE_OUT: dict[tuple[str, type], bool] = {}
+
+
+def _dtype_out(tensor: torch.Tensor) -> bool:
+    return _DTYPE_OUT.get((tensor.device.type, type(tensor)), True)
+
+
+def _no_dtype_out(tensor: torch.Tensor) -> None:
+    _DTYPE_OUT[(tensor.device.type, type(tensor))] = False
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32 (fp32 accumulation and output, also for bf16 inputs)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if _dtype_out(a):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except NotImplementedError:
+            _no_dtype_out(a)
+    return (a @ b).float()
+
+
+def _addmm_fp32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out (fp32) += a @ b in place: no weight-sized temporary where out_dtype is supported."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+        return
+    if _dtype_out(a):
+        try:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            return
+        except NotImplementedError:
+            _no_dtype_out(a)
+    out.add_(a @ b)

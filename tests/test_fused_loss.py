@@ -1,0 +1,93 @@
+"""parallel.loss_impl=fused (dtrain/fused_loss.py): the autograd function's gradients against
+autograd through the dense loss, and dtrain's training against loss_impl=dense over 10 steps, on
+1×1, 1×2, 2×2 and tied 2×2 with a padded vocabulary (tests/workers/fused_runs.py); the CLI; the
+planner's memory figures for the motivating run's head and loss."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from helpers import ROOT, parity_config, read_metrics, run, torchrun
+
+from dtrain.config import ConfigError, check_config
+from dtrain.estimate.app import compose
+from dtrain.estimate.planner import plan
+from dtrain.model import load_model_config
+
+WORKER = str(ROOT / "tests" / "workers" / "fused_runs.py")
+# The memory constant (docs/estimate.md): the loss's temporaries are at most this many fp32 logits
+# chunks (rows × local vocabulary × 4 bytes).
+CHUNKS_OF_LOGITS = 2
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4], ids=["1x1", "1x2", "2x2+tied2x2"])
+def test_fused_loss_matches_the_dense_loss(tmp_path, nproc):
+    done = tmp_path / "done"
+    result = torchrun(nproc, WORKER, "--done", str(done), timeout=400)
+    assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
+
+
+def test_cli_trains_with_the_fused_loss_as_with_the_dense_one(tmp_path):
+    losses = {}
+    for impl in ("dense", "fused"):
+        run_dir = tmp_path / impl
+        args = ["-m", "dtrain.sft", f"parallel.loss_impl={impl}", "parallel.loss_chunk=8"]
+        args += ["train.max_steps=2", "train.log_every=1", "train.precision=fp32", f"hydra.run.dir={run_dir}"]
+        result = torchrun(2, *args, timeout=300)
+        assert result.returncode == 0, result.stdout[-4000:]
+        losses[impl] = [record["loss"] for record in read_metrics(run_dir)]
+    assert losses["fused"] == pytest.approx(losses["dense"], rel=1e-5)
+
+
+def test_cli_refuses_an_unknown_loss_impl(tmp_path):
+    command = [sys.executable, "-m", "dtrain.sft", "parallel.loss_impl=sparse", "parallel.tp=1"]
+    command += [f"hydra.run.dir={tmp_path}"]
+    result = run(command, timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("dtrain: error:")]
+    assert len(errors) == 1 and "parallel.loss_impl='sparse'" in errors[0], result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
+def test_chunked_losses_need_a_chunk(impl):
+    config = parity_config(None, dp=1, tp=1)
+    config.parallel.loss_impl, config.parallel.loss_chunk = impl, 0
+    with pytest.raises(
+        ConfigError, match=f"parallel.loss_chunk=0: must be >= 1 with parallel.loss_impl={impl}"
+    ):
+        check_config(config, 1, load_model_config(config.model))
+
+
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
+def test_chunked_losses_refuse_a_family_whose_head_they_do_not_know(impl):
+    """gpt_neox trains FSDP-only with the dense loss: its head is embed_out, not lm_head."""
+    config = parity_config(None, dp=1, tp=1)
+    config.model.config = dict(config.model.config, model_type="gpt_neox")
+    config.parallel.loss_impl = impl
+    model_config = load_model_config(config.model)
+    with pytest.raises(ConfigError, match=f"parallel.loss_impl={impl}: .*'gpt_neox' trains with"):
+        check_config(config, 1, model_config)
+    config.parallel.loss_impl = "dense"
+    check_config(config, 1, model_config)
+
+
+def test_planner_fused_peak_and_loss_temporaries_on_the_motivating_head():
+    """The motivating run (Llama-3-8B, tp=4, micro batch 4 × 2048, bf16, full checkpointing) with 2
+    of its 32 layers (the loss sees the same hidden states, head and labels; the plan is 15× cheaper):
+    the fused peak is below the dense one, and the fused loss's temporaries are at most
+    CHUNKS_OF_LOGITS fp32 chunks of logits."""
+    overrides = ["+experiment=llama3_tp4", "estimate.world_size=4", "+model.config.num_hidden_layers=2"]
+    dense = plan(compose([*overrides, "parallel.loss_impl=dense"]), 4)
+    fused = plan(compose([*overrides, "parallel.loss_impl=fused"]), 4)
+    assert fused.step.peak < dense.step.peak, (fused.step.peak, dense.step.peak)
+    assert dense.step.loss_temporaries is None and fused.step.logits == 0
+    config = compose(overrides)
+    tp, chunk = config.parallel.tp, config.parallel.loss_chunk
+    rows = config.train.micro_batch_size * min(chunk, config.data.max_len // tp) * tp  # gathered chunk
+    hidden_size = load_model_config(config.model, offline=True).hidden_size
+    local_vocab = fused.layers["lm_head"]["total"] // (4 * hidden_size) // tp
+    logits_chunk = rows * local_vocab * 4
+    assert logits_chunk < fused.step.loss_temporaries <= CHUNKS_OF_LOGITS * logits_chunk, (
+        fused.step.loss_temporaries / logits_chunk
+    )
