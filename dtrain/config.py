@@ -350,7 +350,7 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
         raise ConfigError("model.tokenizer: needed when model.name_or_path is not set")
 
     check_tp_support(model_config.model_type, shape.tp)
-    check_loss_support(model_config.model_type, parallel.loss_impl)
+    check_loss_support(model_config, parallel.loss_impl)
     # vocab_size need not divide: the embedding and lm_head are padded (dtrain.parallel.vocab).
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(model_config, key, None)
@@ -386,18 +386,28 @@ def check_tp_support(model_type: str, tp: int) -> None:
         )
 
 
-def check_loss_support(model_type: str, loss_impl: str) -> None:
+def check_loss_support(model_config: Any, loss_impl: str) -> None:
     """chunked and fused compute the logits as lm_head(hidden) themselves, in place of the model's
     own head forward: right for the families with a TP plan (a bias-free lm_head and nothing after
-    it), not for a head of another name (gpt_neox's embed_out) or logits post-processed
-    (softcapping, scaling). Other families train with the dense loss, the model's own logits."""
+    it), not for a head of another name (gpt_neox's embed_out) or logits post-processed (Granite's
+    logits_scaling, a final softcap). Those train with the dense loss, the model's own logits."""
     from dtrain.parallel.parallelize import TP_PLANS  # imported here: parallelize imports this module
 
-    if loss_impl != "dense" and model_type not in TP_PLANS:
+    if loss_impl == "dense":
+        return
+    model_type = model_config.model_type
+    if model_type not in TP_PLANS:
         raise ConfigError(
             f"parallel.loss_impl={loss_impl}: computes lm_head's logits itself, checked for "
             f"{', '.join(TP_PLANS)} only; model type {model_type!r} trains with parallel.loss_impl=dense"
         )
+    for key, plain in (("logits_scaling", 1.0), ("final_logit_softcapping", None)):
+        value = getattr(model_config, key, plain)
+        if value != plain:
+            raise ConfigError(
+                f"parallel.loss_impl={loss_impl}: the model's {key}={value} post-processes the logits, "
+                "which the chunked and fused losses skip; use parallel.loss_impl=dense"
+            )
 
 
 def check_estimate(settings: EstimateConfig) -> None:

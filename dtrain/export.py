@@ -35,7 +35,7 @@ from dtrain.model import (
     load_model_config,
     tokenizer_source,
 )
-from dtrain.parallel import vocab
+from dtrain.parallel import fused, vocab
 
 log = logging.getLogger("dtrain")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -51,6 +51,7 @@ def export_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, d
     # Back to config.vocab_size rows; in the model's order on every rank (collectives), not a set's.
     for name in [name for name in vocab.padded_params(model) if name in state]:
         state[name] = vocab.strip_padding(state[name], model.config.vocab_size)
+    state = fused.fuse(model, state)  # split projections back into HF's fused tensors (Phi-3)
     writer = HuggingFaceStorageWriter(str(partial), save_distributed=True, enable_consolidation=True)
     dcp.save(state, storage_writer=writer)
     if dist.get_rank() == 0:

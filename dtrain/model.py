@@ -20,8 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.modeling_utils import AttentionInterface
 
 from dtrain.config import ConfigError, ModelConfig
-from dtrain.parallel import vocab
-from dtrain.parallel.context import CONTEXT_KWARG, document_ids
+from dtrain.parallel import fused, phi3, vocab
+from dtrain.parallel.context import CONTEXT_KWARG, ContextShard, document_ids
 
 ATTENTION = "dtrain_causal"
 # Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
@@ -44,33 +44,30 @@ def causal_attention(
     """Causal attention over the full (gathered) sequence. HF would build its mask from the local,
     sequence-sharded length, so it builds none (see the registration below); padding is on the right.
     Packed rows restart `position_ids` (full length: HF forwards them to here) at every document:
-    then the mask is block-diagonal causal, so no token attends across documents. On CUDA packed rows
-    go through flex attention with a block mask (only the blocks that hold a document pair are
-    computed); elsewhere through sdpa with a dense mask. Both compute the same function."""
+    then the mask is block-diagonal causal, so no token attends across documents. A sliding-window
+    layer (HF passes `sliding_window`) sees only its last `sliding_window` keys, itself included, as
+    HF's `sliding_window_overlay`; a window that covers the sequence is plain causal. On CUDA packed
+    rows and windows go through flex attention with a block mask (only the blocks that hold an
+    allowed pair are computed); elsewhere through sdpa with a dense mask. Both compute the same
+    function."""
+    check_supported(module)
     context = kwargs.get(CONTEXT_KWARG)  # context parallel: this rank holds a part of each row
     if context is not None:
-        key, value = context.gather(key), context.gather(value)
-    window = kwargs.get("sliding_window")
-    if window is not None and window < key.shape[-2]:  # silently attending further would change the model
-        raise ValueError(
-            f"the model's sliding_window={window} is shorter than the sequence ({key.shape[-2]}): "
-            "dtrain's attention has no sliding window; lower data.max_len"
-        )
+        return context_attention(query, key, value, context, dropout, scaling, kwargs.get("sliding_window"))
+    window = effective_window(kwargs.get("sliding_window"), query.shape[-2])
     gqa = getattr(module, "num_key_value_groups", 1) > 1
     packed = getattr(module.config, PACKED_ROWS, False)
-    flex = packed_attention_backend(query.device) == "flex"
-    if dropout and flex and (packed or context is not None):
-        raise ValueError(f"attention dropout {dropout}: flex attention (packed rows or cp on CUDA) has none")
-    if context is not None and flex:
-        out = flex_attention_call(query, key, value, context.block_mask(), scaling, gqa)
-    elif packed and flex:
-        block_mask = kwargs.get(BLOCK_MASK_KWARG)
+    if (packed or window) and packed_attention_backend(query.device) == "flex":
+        if dropout:
+            raise ValueError(
+                f"attention dropout {dropout}: flex attention (packed rows or windows on CUDA) has none"
+            )
+        block_mask = kwargs.get(SLIDING_BLOCK_MASK_KWARG if window else BLOCK_MASK_KWARG)
+        if block_mask is None:
+            block_mask = sliding_block_mask(position_ids, window, packed) if window else None
         out = flex_document_attention(query, key, value, position_ids, scaling, gqa, block_mask)
     else:
-        if context is not None:
-            mask = context.mask()
-        else:
-            mask = document_mask(position_ids) if packed else None
+        mask = dense_mask(position_ids, packed, window) if packed or window else None
         out = F.scaled_dot_product_attention(
             query,
             key,
@@ -84,6 +81,59 @@ def causal_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def context_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    context: ContextShard,
+    dropout: float,
+    scale: float | None,
+    window: int | None,
+) -> tuple[torch.Tensor, None]:
+    """Context parallel: this rank's queries against the whole row's keys and values, gathered over
+    cp, under the causal, document and window mask of the global token indices (parallel/context.py)."""
+    key, value = context.gather(key), context.gather(value)
+    window = effective_window(window, key.shape[-2])
+    gqa = query.shape[1] != key.shape[1]
+    if packed_attention_backend(query.device) == "flex":
+        if dropout:
+            raise ValueError(
+                f"attention dropout {dropout}: flex attention (context parallel on CUDA) has none"
+            )
+        out = flex_attention_call(query, key, value, context.block_mask(window), scale, gqa)
+    else:
+        mask = context.mask(window)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def check_supported(module: nn.Module) -> None:
+    """What dtrain does not compute must stop the run, not silently change the model. Checked here,
+    the one place every model passes at any tp: bidirectional attention, attention softcapping, and
+    final-logit softcapping, which the chunked loss (parallel.loss_chunk) would apply to the hidden
+    states instead of the logits."""
+    if not getattr(module, "is_causal", True):
+        raise ValueError(f"{type(module).__name__}: bidirectional attention; dtrain trains causal LMs only")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(module.config, key, None) is not None:
+            raise ValueError(
+                f"{key}={getattr(module.config, key)}: dtrain has no softcapping; set it to null"
+            )
+
+
+def effective_window(window: int | None, seq: int) -> int | None:
+    """The sliding window, or None where it covers all `seq` positions (then it is plain causal)."""
+    return window if window is not None and window < seq else None
+
+
+def config_window(config: PretrainedConfig, seq: int) -> int | None:
+    """The window the sliding layers of this config use on rows of `seq` (Mistral, Qwen2 with
+    use_sliding_window, Gemma 3's local layers: all pass config.sliding_window), or None."""
+    return effective_window(getattr(config, "sliding_window", None), seq)
+
+
 def packed_attention_backend(device: torch.device) -> str:
     """flex on CUDA (compiled Triton kernels, block-sparse); sdpa with a dense [seq, seq] mask on any
     other device (flex has no backward on CPU)."""
@@ -93,10 +143,24 @@ def packed_attention_backend(device: torch.device) -> str:
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """[batch, 1, seq, seq] boolean (True: may attend): causal within each document. A dense mask is
     what sdpa takes on any device."""
+    return dense_mask(position_ids, packed=True, window=None)
+
+
+def dense_mask(position_ids: torch.Tensor, packed: bool, window: int | None) -> torch.Tensor:
+    """[batch or 1, 1, seq, seq] boolean (True: may attend): causal, within each document when
+    `packed`, and within the last `window` positions (query included) when a window is given. The
+    window counts row indices, which within a document are its positions."""
+    seq = position_ids.shape[-1]
+    index = torch.arange(seq, device=position_ids.device)
+    distance = index[:, None] - index[None, :]  # query - key
+    allowed = distance >= 0
+    if window is not None:
+        allowed = allowed & (distance < window)
+    if not packed:
+        return allowed[None, None]
     documents = document_ids(position_ids)
     same = documents[:, :, None] == documents[:, None, :]
-    causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
-    return (same & causal)[:, None]
+    return (same & allowed)[:, None]
 
 
 # The model-level forward kwarg that carries the BlockMask: HF passes unknown forward kwargs down to
@@ -104,24 +168,48 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
 BLOCK_MASK_KWARG = "dtrain_block_mask"
 
 
+# The same for the sliding-window layers' BlockMask (layers of one model may differ: Gemma 3).
+SLIDING_BLOCK_MASK_KWARG = "dtrain_sliding_block_mask"
+
+
 def document_block_mask(position_ids: torch.Tensor) -> Any:
     """flex attention's BlockMask for causal attention within each document of each row."""
+    return _block_mask(position_ids, packed=True, window=None)
+
+
+def sliding_block_mask(position_ids: torch.Tensor, window: int, packed: bool) -> Any:
+    """flex attention's BlockMask of dense_mask(position_ids, packed, window)."""
+    return _block_mask(position_ids, packed, window)
+
+
+def _block_mask(position_ids: torch.Tensor, packed: bool, window: int | None) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
     documents = document_ids(position_ids)
 
-    def same_document_causal(b, h, q_idx, kv_idx):
-        return (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
+    def allowed(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        if packed:
+            keep = keep & (documents[b, q_idx] == documents[b, kv_idx])
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+        return keep
 
     batch, seq = position_ids.shape
-    return create_block_mask(same_document_causal, batch, None, seq, seq, device=position_ids.device)
+    return create_block_mask(allowed, batch if packed else None, None, seq, seq, device=position_ids.device)
 
 
 def _attach_block_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Forward pre-hook of a packed model: build the flex BlockMask of this batch once."""
+    """Forward pre-hook of a packed or sliding-window model: build this batch's flex BlockMasks once."""
     position_ids = kwargs.get("position_ids")
-    if position_ids is not None and packed_attention_backend(position_ids.device) == "flex":
+    if position_ids is None or packed_attention_backend(position_ids.device) != "flex":
+        return args, kwargs
+    packed = getattr(module.config, PACKED_ROWS, False)
+    if packed:
         kwargs[BLOCK_MASK_KWARG] = document_block_mask(position_ids)
+    window = config_window(module.config, position_ids.shape[-1])
+    if window is not None:
+        kwargs[SLIDING_BLOCK_MASK_KWARG] = sliding_block_mask(position_ids, window, packed)
     return args, kwargs
 
 
@@ -243,6 +331,8 @@ def resolve_init(settings: ModelConfig) -> str:
 
 
 PACKED_ROWS = "dtrain_packed_rows"  # a config attribute: rows may hold several documents
+# Model types whose fused projections are split into one module per part (dtrain/parallel/fused.py).
+SPLIT_FUSED = {"phi3": phi3.split_fused_projections}
 
 
 def build_meta_model(
@@ -257,8 +347,10 @@ def build_meta_model(
     setattr(config, PACKED_ROWS, packed)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, dtype=torch.float32)
+    if config.model_type in SPLIT_FUSED:
+        SPLIT_FUSED[config.model_type](model)
     vocab.pad_vocab(model, vocab_rows or config.vocab_size)
-    if packed:
+    if packed or getattr(config, "sliding_window", None) is not None:
         model.register_forward_pre_hook(_attach_block_mask, with_kwargs=True)
     return model
 
@@ -288,7 +380,9 @@ def materialize(model: nn.Module, device: torch.device, settings: ModelConfig, s
 
 
 def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
-    """inv_freq is a non-persistent buffer: to_empty() leaves garbage and no checkpoint restores it."""
+    """inv_freq is a non-persistent buffer: to_empty() leaves garbage and no checkpoint restores it.
+    Gemma 3 keeps one per layer type (`sliding_attention_inv_freq`, ...) with its own rope base, and
+    its embedding's `embed_scale` is such a buffer too."""
     for module in model.modules():
         if hasattr(module, "inv_freq") and hasattr(module, "rope_type"):
             init_fn = (
@@ -299,6 +393,19 @@ def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
             inv_freq, module.attention_scaling = init_fn(module.config)
             module.inv_freq = inv_freq.to(device)
             module.original_inv_freq = inv_freq.clone().to(device)
+        elif isinstance(getattr(module, "rope_type", None), dict):
+            for layer_type, rope_type in module.rope_type.items():
+                init_fn = (
+                    module.compute_default_rope_parameters
+                    if rope_type == "default"
+                    else _rope_init_functions()[rope_type]
+                )
+                inv_freq, scaling = init_fn(module.config, layer_type=layer_type)
+                setattr(module, f"{layer_type}_inv_freq", inv_freq.to(device))
+                setattr(module, f"{layer_type}_original_inv_freq", inv_freq.clone().to(device))
+                setattr(module, f"{layer_type}_attention_scaling", scaling)
+        if hasattr(module, "scalar_embed_scale"):
+            module.embed_scale = torch.tensor(module.scalar_embed_scale, device=device)
 
 
 def _rope_init_functions() -> dict:
@@ -330,6 +437,7 @@ def load_hf_weights(model: nn.Module, folder: str) -> None:
     state = hf_state_dict(model)
     # Padded vocabulary matrices have more rows than the files: read by hand, the rest by DCP.
     padded = {name: state.pop(name) for name in vocab.padded_params(model) if name in state}
+    fused.load_parts(model, state, files)  # split fused projections: their rows of HF's tensors
     dcp.load(state, storage_reader=HuggingFaceStorageReader(folder))
     vocab.load_padded_rows(padded, files, model.config.vocab_size)
 
@@ -342,18 +450,24 @@ def local_slices(param: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
+# Model types whose RMSNorm multiplies by (1 + weight): HF initialises those weights to zero.
+ZERO_CENTRED_NORMS = {"gemma3_text"}
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int) -> None:
-    """HF Llama's init (normal(0, initializer_range), norms at one), drawn per parameter from a
-    generator keyed on (seed, name) over the full shape, so the weights do not depend on the mesh.
-    Only one full parameter exists at a time, on the CPU."""
+    """HF Llama's init (normal(0, initializer_range), norms at one; at zero for Gemma's norms, which
+    scale by 1 + weight), drawn per parameter from a generator keyed on (seed, name) over the full
+    shape, so the weights do not depend on the mesh. Only one full parameter exists at a time, on
+    the CPU."""
     std = model.config.initializer_range
+    norm_value = 0.0 if model.config.model_type in ZERO_CENTRED_NORMS else 1.0
     padded = {id(p) for p in vocab.padded_params(model).values()}
     for name, param in model.named_parameters():
         name = canonical_name(name)
         local = param.to_local() if isinstance(param, DTensor) else param
         if name.endswith("norm.weight"):
-            local.fill_(1.0)
+            local.fill_(norm_value)
             continue
         if name.endswith(".bias"):
             local.zero_()

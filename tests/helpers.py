@@ -55,12 +55,57 @@ def save_tiny_llama(folder: Path, tied: bool, seed: int = 0, max_shard_size: str
     return folder
 
 
-# Each family's quirks on TINY: GQA everywhere; Qwen2's q/k/v biases and tied small models; Qwen3's
-# per-head q/k norms with an explicit head_dim.
+# Each family's quirks on TINY: GQA everywhere; sliding windows shorter than MAX_LEN (Mistral on
+# every layer, Qwen2 above max_window_layers, Gemma 3 on its local layers); Qwen2's q/k/v biases
+# and tied small models; Qwen3's per-head q/k norms with an explicit head_dim; Gemma 3's four
+# norms, tied head, scaled embedding, query_pre_attn_scalar and two rotary bases (one scaled).
 FAMILIES = {
-    "mistral": dict(num_key_value_heads=2, sliding_window=None),
-    "qwen2": dict(num_key_value_heads=2, tie_word_embeddings=True),
+    "mistral": dict(num_key_value_heads=2, sliding_window=8),
+    "qwen2": dict(
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    ),
     "qwen3": dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+    "gemma3_text": dict(
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=32,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+    ),
+    # OLMo 2: q/k norms over the whole width, of which each rank holds its heads' columns at tp=2
+    "olmo2": dict(num_key_value_heads=2),
+    # OLMo 3: the same with sliding-window layers
+    "olmo3": dict(
+        num_key_value_heads=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
+    ),
+    # Phi-3: fused qkv_proj (GQA: q, k and v of different widths) and gate_up_proj
+    "phi3": dict(num_key_value_heads=2, pad_token_id=2),
+    # SmolLM3: Llama's modules, layer 1 without rotary (NoPE)
+    "smollm3": dict(num_key_value_heads=2, no_rope_layers=[1, 0]),
+    # Granite: embedding, residual, attention and logits multipliers (none of them 1), tied head
+    "granite": dict(
+        num_key_value_heads=2,
+        embedding_multiplier=4.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.1,
+        logits_scaling=2.0,
+        tie_word_embeddings=True,
+    ),
+}
+# HF initialises these to zero (biases; Gemma's (1 + weight) norms): random values make them matter.
+_PERTURBED = {
+    "qwen2": (".bias",),
+    "gemma3_text": ("norm.weight",),
+    "olmo2": ("norm.weight",),
+    "olmo3": ("norm.weight",),
 }
 
 
@@ -69,10 +114,11 @@ def save_tiny_family(folder: Path, model_type: str, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **{**TINY, **FAMILIES[model_type]})
     model = AutoModelForCausalLM.from_config(config)
-    if model_type == "qwen2":  # HF initialises biases to zero: make them matter
+    with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                torch.nn.init.normal_(param, std=0.02)
+            if name.endswith(_PERTURBED.get(model_type, ())):
+                std = 0.02 if name.endswith(".bias") else 0.1
+                param.add_(torch.randn_like(param) * std)  # ones + noise for the (weight) norms
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
     return folder
@@ -105,6 +151,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def fixed_batch() -> torch.Tensor:
     """Token ids for comparing logits with a Hugging Face reference."""
     return torch.arange(3 * MAX_LEN).reshape(3, MAX_LEN) * 7 % 1000
+
+
+def packed_documents() -> tuple[torch.Tensor, torch.Tensor]:
+    """One row of MAX_LEN tokens holding three documents (13, 11 and 8 tokens, each longer than or
+    as long as the tiny sliding window): token ids and restarting position_ids, each [1, MAX_LEN]."""
+    lengths = [13, 11, 8]
+    ids = (torch.arange(MAX_LEN) * 11 + 5) % 1000
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return ids[None], positions[None]
 
 
 def sharded_model(config: Config, device: torch.device) -> torch.nn.Module:

@@ -32,7 +32,6 @@ def user(tmp_path_factory):
     root = tmp_path_factory.mktemp("user")
     return {
         "llama": save_user_model(root / "llama"),
-        "phi3": save_user_model(root / "phi3", "phi3", sliding_window=None),
         "gpt_neox": save_user_model(root / "gpt_neox", "gpt_neox"),
         "data": write_user_dataset(root / "my.jsonl"),  # 32 rows: the default global batch
     }
@@ -129,10 +128,11 @@ def test_a_family_without_a_plan_is_refused_at_tp_2_before_any_process_group(use
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_family_without_a_plan_trains_fsdp_only_at_tp_1(user, tmp_path, nproc):
-    """Phi-3 (fused qkv_proj / gate_up_proj) on 1 and 2 ranks: the plain transformers loop's losses."""
+    """GPT-NeoX (no TP plan; its decoder layers, `gpt_neox.layers`, found from _no_split_modules) on
+    1 and 2 ranks: the plain transformers loop's losses."""
     steps, batch, lr = 3, 8, 1e-3
     args = [
-        f"model.name_or_path={user['phi3']}",
+        f"model.name_or_path={user['gpt_neox']}",
         f"data.path={user['data']}",
         "data.input_key=question",
         "data.shuffle=false",
@@ -146,5 +146,5 @@ def test_a_family_without_a_plan_trains_fsdp_only_at_tp_1(user, tmp_path, nproc)
     result = run([sys.executable, *SFT, *args]) if nproc == 1 else torchrun(nproc, *SFT, *args, timeout=300)
     assert result.returncode == 0, result.stdout[-5000:]
     losses = [record["loss"] for record in read_metrics(tmp_path)]
-    expected = reference_losses(user["phi3"], user_rows(), steps, batch, lr)
+    expected = reference_losses(user["gpt_neox"], user_rows(), steps, batch, lr)
     assert losses == pytest.approx(expected, rel=1e-5)

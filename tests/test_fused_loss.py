@@ -91,3 +91,16 @@ def test_planner_fused_peak_and_loss_temporaries_on_the_motivating_head():
     assert logits_chunk < fused.step.loss_temporaries <= CHUNKS_OF_LOGITS * logits_chunk, (
         fused.step.loss_temporaries / logits_chunk
     )
+
+
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
+def test_chunked_losses_refuse_post_processed_logits(impl):
+    """Granite divides its logits by logits_scaling after lm_head, which lm_head(hidden) would skip."""
+    config = parity_config(None, dp=1, tp=1)
+    config.model.config = dict(config.model.config, model_type="granite", logits_scaling=16.0)
+    config.parallel.loss_impl = impl
+    model_config = load_model_config(config.model)
+    with pytest.raises(ConfigError, match="logits_scaling=16.0 post-processes the logits"):
+        check_config(config, 1, model_config)
+    config.parallel.loss_impl = "dense"
+    check_config(config, 1, model_config)

@@ -7,6 +7,8 @@ batches in one micro-batch, so accumulation, sharding and loss parallel must all
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,11 +19,13 @@ from helpers import (
     STEPS,
     TOKENIZER,
     fixed_batch,
+    packed_documents,
     parity_config,
     save_tiny_family,
     save_tiny_llama,
     torchrun,
 )
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from dtrain.config import TrainConfig
@@ -202,3 +206,51 @@ def test_bf16_tracks_fp32_and_keeps_fp32_master_weights(mesh_runs, references):
     assert all(tensor.dtype == torch.float32 for tensor in trained.values())
     name = "model.layers.1.mlp.down_proj.weight"
     assert relative_error(trained[name], params[name].detach()) < 0.05
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_of_the_trained_family_gives_its_logits_in_transformers(mesh_runs, family):
+    """Exported at the end of the 2x2 run: from_pretrained reads the HF layout (Phi-3's fused
+    projections included) and computes the trained model's logits."""
+    run = mesh_runs[f"2x2_{family}"]
+    model = AutoModelForCausalLM.from_pretrained(run["hf"], dtype=torch.float32, attn_implementation="sdpa")
+    written = set().union(*(safe_open(f, "pt").keys() for f in Path(run["hf"]).glob("*.safetensors")))
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    assert written == expected  # HF's own names and layout: nothing missing for from_pretrained to init
+    with torch.no_grad():
+        logits = model(input_ids=fixed_batch()).logits
+    assert relative_error(logits, run["trained_logits"]) < RTOL
+
+
+def test_gemma3_packed_rows_with_a_short_window_match_hf_on_each_document(models, mesh_runs):
+    """tp=2, packed: every document longer than the sliding window; HF's own sliding-window
+    attention (sdpa, its mask) on each document alone is the reference."""
+    model = AutoModelForCausalLM.from_pretrained(
+        models["gemma3_text"], dtype=torch.float32, attn_implementation="sdpa"
+    )
+    assert model.config.sliding_window < 11  # the documents below are longer
+    ids, positions = packed_documents()
+    packed = mesh_runs["2x2_gemma3_text"]["packed_logits"][0]
+    starts = (positions[0] == 0).nonzero().flatten().tolist() + [positions.shape[-1]]
+    for start, stop in zip(starts[:-1], starts[1:], strict=True):
+        with torch.no_grad():
+            alone = model(input_ids=ids[:, start:stop], use_cache=False).logits[0]
+        assert relative_error(packed[start:stop], alone) < RTOL, (start, stop)
+
+
+def test_olmo2_whole_width_q_norm_at_tp2_is_the_unsharded_norm(models, mesh_runs):
+    """Layer 0's q_norm output at tp=2 (each rank: half the columns) against HF's unsharded one; a
+    norm over each rank's columns alone (computed here from HF's q_proj output) is far from it."""
+    model = AutoModelForCausalLM.from_pretrained(
+        models["olmo2"], dtype=torch.float32, attn_implementation="sdpa"
+    )
+    attention = model.model.layers[0].self_attn
+    seen = {}
+    attention.q_proj.register_forward_hook(lambda module, args, output: seen.update(q=output))
+    attention.q_norm.register_forward_hook(lambda module, args, output: seen.update(normed=output))
+    with torch.no_grad():
+        model(input_ids=fixed_batch())
+    assert relative_error(mesh_runs["2x2_olmo2"]["q_norm"], seen["normed"]) < RTOL
+    halves = zip(seen["q"].chunk(2, dim=-1), attention.q_norm.weight.chunk(2), strict=True)
+    per_rank = torch.cat([w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) for x, w in halves], -1)
+    assert relative_error(per_rank, seen["normed"]) > 1e-3

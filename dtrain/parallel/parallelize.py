@@ -18,11 +18,23 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from dtrain.config import ParallelConfig
 from dtrain.distributed import Parallel
 from dtrain.model import decoder_layers
-from dtrain.parallel import llama, qwen3
+from dtrain.parallel import gemma3, llama, olmo2, phi3, qwen3
 
 # By `config.model_type`. Mistral and Qwen2 name their modules as Llama does (Qwen2's q/k/v biases
-# are sharded with their colwise weights); Qwen3 adds per-head q/k norms.
-TP_PLANS = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": qwen3}
+# are sharded with their colwise weights); Qwen3 adds per-head q/k norms; Gemma 3 four norms a
+# layer; OLMo 2 and 3 post-norms and whole-width q/k norms.
+TP_PLANS = {
+    "llama": llama,
+    "mistral": llama,
+    "qwen2": llama,
+    "qwen3": qwen3,
+    "gemma3_text": gemma3,
+    "olmo2": olmo2,
+    "olmo3": olmo2,
+    "phi3": phi3,  # its fused projections are split at build time: Llama's table then
+    "smollm3": llama,  # NoPE layers: HF skips their rotary; the modules are Llama's
+    "granite": llama,  # the multipliers are scalars in HF's forward, linear or pointwise on shards
+}
 
 # activation_checkpointing=selective keeps these ops' outputs and recomputes the rest (norms,
 # activations, rotary, casts): the matmuls and attention are most of the FLOPs, the rest most of

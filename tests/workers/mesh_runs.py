@@ -17,13 +17,23 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import MAX_LEN, full_logits, parity_config, sharded_model, worker_args  # noqa: E402
+from helpers import (  # noqa: E402
+    FAMILIES,
+    MAX_LEN,
+    full_logits,
+    packed_documents,
+    parity_config,
+    sharded_model,
+    worker_args,
+)
 
 from dtrain.config import check_config  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.model import canonical_name, load_model_config  # noqa: E402
+from dtrain.parallel import fused  # noqa: E402
 from dtrain.trainer import train  # noqa: E402
 
+EXPORT = {"checkpoint.export_hf": True, "checkpoint.export_dtype": "fp32"}
 PACKED = {"data.packing": True}
 # name: (dp, tp, model, overrides); model is "untied", "tied", "random" (seeded init) or a family
 # of helpers.FAMILIES
@@ -41,15 +51,42 @@ SCENARIOS = {
         "1x4": (1, 4, "untied", {}),
         "4x1": (4, 1, "untied", {}),
         "2x2_random": (2, 2, "random", {}),
-        "2x2_mistral": (2, 2, "mistral", {}),
-        "2x2_qwen2": (2, 2, "qwen2", {}),
-        "2x2_qwen3": (2, 2, "qwen3", {}),
+        # every family trained, then exported at the end of training (fp32, to compare logits)
+        **{f"2x2_{family}": (2, 2, family, EXPORT) for family in FAMILIES},
         # context parallel on packed rows whose documents cross the chunk borders
         "cp4": (1, 1, "untied", {"parallel.cp": 4, **PACKED}),
         "cp2_tp2": (1, 2, "untied", {"parallel.cp": 2, **PACKED}),
         "cp2_dp2": (2, 1, "untied", {"parallel.cp": 2, **PACKED}),
     },
 }
+
+
+# families whose packed rows are also run at tp=2: documents longer than the sliding window
+PACKED_WINDOW = ("gemma3_text",)
+
+
+@torch.no_grad()
+def packed_logits(model: torch.nn.Module) -> torch.Tensor:
+    """Logits of helpers.packed_documents() packed into one row (restarting positions), gathered."""
+    ids, positions = packed_documents()
+    logits = model(input_ids=ids, position_ids=positions).logits
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
+# families whose q/k norms span the whole width: layer 0's q_norm output is saved at tp=2
+WIDTH_NORMS = ("olmo2",)
+
+
+@torch.no_grad()
+def q_norm_output(model: torch.nn.Module) -> torch.Tensor:
+    """Layer 0's q_norm output on helpers.fixed_batch(), this rank's columns gathered over tp."""
+    norm = model.model.layers[0].self_attn.q_norm
+    captured = []
+    handle = norm.register_forward_hook(lambda module, args, output: captured.append(output))
+    full_logits(model)
+    handle.remove()
+    tp_mesh = norm.weight.device_mesh["tp"]
+    return DTensor.from_local(captured[0], tp_mesh, [Shard(-1)], run_check=False).full_tensor()
 
 
 def apply_overrides(config: object, overrides: dict) -> None:
@@ -111,12 +148,21 @@ def main() -> None:
         one_backward(result.model)
         check_sharding(result.model, result.optimizer, dp, tp, config.parallel.cp)
         params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+        params = fused.fuse(result.model, params)  # HF's names and layout, as the reference has
         saved = {"history": result.history, "params": params}
-        fresh = sharded_model(config, device)
+        # the freshly loaded model (or seeded init) only where a test reads it: the suite's time
+        fresh = sharded_model(config, device) if kind in (*models, *WIDTH_NORMS) else None
         if kind == "random":
             saved["init"] = {n: p.full_tensor() for n, p in fresh.named_parameters()}
-        else:
+        elif kind in models:
             saved["logits"] = full_logits(fresh)
+        if overrides.get("checkpoint.export_hf"):
+            saved["trained_logits"], saved["hf"] = full_logits(result.model), str(run_dir / "hf")
+        if kind in WIDTH_NORMS:
+            saved["q_norm"] = q_norm_output(fresh)
+        if kind in PACKED_WINDOW:
+            config.data.packing = True
+            saved["packed_logits"] = packed_logits(sharded_model(config, device))
         if dist.get_rank() == 0:
             torch.save(saved, args.out / f"{name}.pt")
     dist.barrier()
