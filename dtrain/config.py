@@ -241,7 +241,7 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> MeshShape:
     for axis, degree in fixed.items():
         _positive(f"parallel.{axis}", degree)
     others = math.prod(fixed.values())
-    named = " × ".join(f"parallel.{axis}={degree}" for axis, degree in fixed.items())
+    named = " × ".join(f"parallel.{axis}={degree}" for axis, degree in fixed.items() if degree > 1)
     dp_shard = parallel.dp_shard
     if dp_shard == -1:
         if world_size % others:
@@ -249,10 +249,8 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> MeshShape:
         dp_shard = world_size // others
     _positive("parallel.dp_shard", dp_shard)
     if others * dp_shard != world_size:
-        raise ConfigError(
-            f"{named} × parallel.dp_shard={dp_shard} = {others * dp_shard}, "
-            f"but the world size is {world_size}"
-        )
+        product = " × ".join(filter(None, [named, f"parallel.dp_shard={dp_shard}"]))
+        raise ConfigError(f"{product} = {others * dp_shard}, but the world size is {world_size}")
     return MeshShape(parallel.dp_replicate, dp_shard, parallel.cp, parallel.tp)
 
 

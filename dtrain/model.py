@@ -12,11 +12,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightRenaming, rename_source_key
 from transformers.modeling_utils import AttentionInterface
 
 from dtrain.config import ConfigError, ModelConfig
@@ -27,6 +30,8 @@ ATTENTION = "dtrain_causal"
 # Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
 ARCHITECTURES = Path(__file__).parent / "assets" / "architectures"
 # What activation checkpointing and torch.compile insert into parameter names.
+# transformers' renamings of the family's checkpoint keys, set on the meta model by build_meta_model.
+CHECKPOINT_TRANSFORMS = "dtrain_checkpoint_transforms"
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -347,6 +352,8 @@ def build_meta_model(
     setattr(config, PACKED_ROWS, packed)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, dtype=torch.float32)
+    # Looked up by class name, which fully_shard changes: kept from the plain HF class.
+    setattr(model, CHECKPOINT_TRANSFORMS, get_model_conversion_mapping(model))
     if config.model_type in SPLIT_FUSED:
         SPLIT_FUSED[config.model_type](model)
     vocab.pad_vocab(model, vocab_rows or config.vocab_size)
@@ -429,12 +436,37 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def file_keys(model: nn.Module, files: list[Path]) -> dict[str, str]:
+    """{parameter name: its key in the safetensors files}, by transformers' own renamings of the
+    family's checkpoints (GPT-NeoX's `embed_out` is the model's `lm_head`, a base model's files
+    lack the `model.` prefix); keys that need more than a rename are refused, not misread."""
+    transforms = getattr(model, CHECKPOINT_TRANSFORMS)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    meta_state = model.state_dict()
+    names = {}
+    for file in files:
+        with safe_open(file, "pt") as reader:
+            for key in reader.keys():
+                name, converter = rename_source_key(
+                    key, renamings, converters, model.base_model_prefix, meta_state
+                )
+                if converter is not None:
+                    raise ConfigError(
+                        f"{file}: {key} needs transformers' weight conversion {converter!r} "
+                        f"(model_type={model.config.model_type!r}), which dtrain does not do"
+                    )
+                names[name] = key
+    return names
+
+
 def load_hf_weights(model: nn.Module, folder: str) -> None:
     """Each rank reads only its slices of the safetensors files (DCP's HF reader does the planning)."""
     files = list(Path(folder).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model.name_or_path={folder!r}: no *.safetensors files to load")
-    state = hf_state_dict(model)
+    keys = file_keys(model, files)
+    state = {keys.get(name, name): tensor for name, tensor in hf_state_dict(model).items()}
     # Padded vocabulary matrices have more rows than the files: read by hand, the rest by DCP.
     padded = {name: state.pop(name) for name in vocab.padded_params(model) if name in state}
     fused.load_parts(model, state, files)  # split fused projections: their rows of HF's tensors

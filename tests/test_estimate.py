@@ -95,7 +95,7 @@ def test_cli_prints_a_table(runs):
 
 def test_cli_json_agrees_with_the_sharding_and_the_zero_figures(runs):
     plan = json.loads(runs["json"])
-    assert plan["experiment"]["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 4}
+    assert plan["experiment"]["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 4}
     per_rank, num_params = plan["per_rank"], plan["experiment"]["num_params"]
     assert num_params == pytest.approx(8.03e9, rel=0.001)
     # fp32 master weights, each rank a quarter (the norms, replicated over tp, are 0.01 % of it)
