@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import struct
 import subprocess
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dtrain.config import (
@@ -23,6 +25,7 @@ from dtrain.config import (
     ParallelConfig,
     TrainConfig,
 )
+from dtrain.loss import loss_context, summed_cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "dtrain" / "assets"
@@ -160,6 +163,27 @@ def packed_documents() -> tuple[torch.Tensor, torch.Tensor]:
     ids = (torch.arange(MAX_LEN) * 11 + 5) % 1000
     positions = torch.cat([torch.arange(n) for n in lengths])
     return ids[None], positions[None]
+
+
+# A token of chunk 3 of 8: at cp = 4 only cp rank 3 holds it; rank 0 holds chunks 0 and 7.
+CROSS_RANK_TOKEN = 13
+
+
+def cross_rank_row() -> list[dict[str, torch.Tensor]]:
+    """One unpacked row of MAX_LEN tokens as a micro-batch, and the same row with CROSS_RANK_TOKEN
+    changed: what rank 0's late tokens see of it is only what attention gathers from rank 3."""
+    ids = fixed_batch()[:1]
+    changed = ids.clone()
+    changed[0, CROSS_RANK_TOKEN] = (changed[0, CROSS_RANK_TOKEN] + 1) % 1000
+    return [
+        {
+            "input_ids": row,
+            "labels": torch.cat([row[:, 1:], torch.full((1, 1), -100)], dim=1),
+            "position_ids": torch.arange(MAX_LEN)[None],
+            "num_tokens": torch.tensor([MAX_LEN]),
+        }
+        for row in (ids, changed)
+    ]
 
 
 def sharded_model(config: Config, device: torch.device) -> torch.nn.Module:
@@ -388,3 +412,37 @@ def reference_losses(
         optimizer.zero_grad()
         losses.append(total / tokens)
     return losses
+
+
+def check_sharding(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp: int, tp: int, cp: int = 1
+) -> None:
+    """Parameters, gradients and AdamW states: DTensors on the one 2-D mesh, sharded over both axes
+    where tp shards them, each local shard at most ceil(numel / (dp·cp·tp)): FSDP shards over
+    dp_shard × cp. At tp = 1 no TP is applied: the mesh is the FSDP mesh alone."""
+    fsdp = "dp_shard_cp" if cp > 1 else "dp_shard"
+    names = (fsdp, "tp") if tp > 1 else (fsdp,)
+    dp = dp * cp
+    for name, param in model.named_parameters():
+        states = optimizer.state[param]
+        for label, tensor in [("param", param), ("grad", param.grad), *states.items()]:
+            if label == "step":
+                continue
+            assert isinstance(tensor, DTensor), f"{label} of {name} is not a DTensor"
+            assert tuple(tensor.device_mesh.mesh_dim_names) == names, (
+                f"{label} of {name}: {tensor.device_mesh}"
+            )
+            assert tensor.placements == param.placements, f"{label} of {name}: {tensor.placements}"
+        tp_sharded = tp > 1 and isinstance(param.placements[1], Shard)
+        bound = math.ceil(param.numel() / (dp * tp if tp_sharded else dp))
+        assert param.to_local().numel() <= bound, f"{name}: {param.to_local().numel()} > {bound}"
+        if any(key in name for key in ("embed_tokens", "lm_head", "proj")):
+            assert tp == 1 or tp_sharded, f"{name} is not sharded over tp: {param.placements}"
+
+
+def one_backward(model: torch.nn.Module) -> None:
+    """Leave gradients in place (the trainer zeroes them after each step) for check_sharding."""
+    ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) % 50
+    positions = torch.arange(MAX_LEN).expand(2, -1)
+    with loss_context(True):
+        summed_cross_entropy(model(input_ids=ids, position_ids=positions).logits, ids).backward()

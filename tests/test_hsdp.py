@@ -1,6 +1,7 @@
-"""HSDP (parallel.dp_replicate > 1) on CPU with gloo: the 3-D mesh (dp_replicate, dp_shard, tp)
-matches the single-process Hugging Face reference; checkpoints reshard from HSDP to plain FSDP and
-back, continuing the uninterrupted curve; the TP coverage check refuses a Linear no plan names.
+"""The 8-process meshes on CPU with gloo: HSDP (parallel.dp_replicate > 1, the 3-D mesh dp_replicate,
+dp_shard, tp) and context parallel (dp 2 × cp 2 × tp 2, packed rows) match the single-process Hugging
+Face reference; checkpoints reshard from HSDP to plain FSDP and back, and from cp 2 to cp 4 and cp 1,
+continuing the uninterrupted curve; the TP coverage check refuses a Linear no plan names.
 
 All 8-process work is one torchrun launch (tests/workers/hsdp_runs.py)."""
 
@@ -26,7 +27,7 @@ def runs(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("hsdp_runs")
     worker = str(ROOT / "tests" / "workers" / "hsdp_runs.py")
     untied = str(models["untied"])
-    result = torchrun(8, worker, "--out", str(out), "--untied", untied, "--tied", untied, timeout=400)
+    result = torchrun(8, worker, "--out", str(out), "--untied", untied, "--tied", untied, timeout=600)
     assert result.returncode == 0, f"8 processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 
@@ -36,24 +37,43 @@ def reference(models):
     return reference_run(models["untied"])
 
 
-def test_hsdp_2x2x2_matches_single_process_hf(runs, reference):
-    losses, norms, params = reference
-    history = runs["hsdp"]["history"]
+@pytest.fixture(scope="module")
+def packed_reference(models):
+    return reference_run(models["untied"], packed=True)
+
+
+@pytest.mark.parametrize("name,reference_name", [("hsdp", "reference"), ("cp", "packed_reference")])
+def test_2x2x2_matches_single_process_hf(runs, request, name, reference_name):
+    """HSDP 2×2×2 (dp_replicate, dp_shard, tp) on plain rows, and dp 2 × cp 2 × tp 2 on packed rows
+    against HF run document by document."""
+    losses, norms, params = request.getfixturevalue(reference_name)
+    history = runs[name]["history"]
     assert [h["step"] for h in history] == list(range(1, STEPS + 1))
     assert losses[-1] < losses[0]  # the reference learns: the comparison is not vacuous
     for step, (record, loss, norm) in enumerate(zip(history, losses, norms, strict=True), start=1):
         assert record["loss"] == pytest.approx(loss, rel=RTOL), f"step {step} loss"
         assert record["grad_norm"] == pytest.approx(norm, rel=RTOL), f"step {step} grad norm"
-    trained = runs["hsdp"]["params"]
+    trained = runs[name]["params"]
     assert set(trained) == set(params)
-    for name, param in params.items():
-        assert relative_error(trained[name], param.detach()) < RTOL, name
+    for param_name, param in params.items():
+        # test_parity's note: the packed reference's rarely seen embedding rows get 5e-5
+        rtol = 5e-5 if name == "cp" and "embed_tokens" in param_name else RTOL
+        assert relative_error(trained[param_name], param.detach()) < rtol, param_name
 
 
-@pytest.mark.parametrize("name,steps", [("resume_fsdp", range(5, STEPS + 1)), ("resume_hsdp", (9, 10))])
-def test_checkpoint_reshards_between_hsdp_and_fsdp(runs, name, steps):
-    """hsdp (2×2×2) step 4 → FSDP 4×2 (resume_fsdp) step 8 → HSDP 2×4×1 (resume_hsdp)."""
-    full = {h["step"]: h for h in runs["hsdp"]["history"]}
+@pytest.mark.parametrize(
+    "name,steps,full_run",
+    [
+        ("resume_fsdp", range(5, STEPS + 1), "hsdp"),
+        ("resume_hsdp", (9, 10), "hsdp"),
+        ("resume_cp4", range(5, STEPS + 1), "cp"),
+        ("resume_cp1", (9, 10), "cp"),
+    ],
+)
+def test_checkpoint_reshards_between_meshes(runs, name, steps, full_run):
+    """hsdp (2×2×2) step 4 → FSDP 4×2 (resume_fsdp) step 8 → HSDP 2×4×1 (resume_hsdp); cp (dp 2 ×
+    cp 2 × tp 2) step 4 → cp 4 (resume_cp4), step 8 → cp 1 (resume_cp1): the uninterrupted curve."""
+    full = {h["step"]: h for h in runs[full_run]["history"]}
     resumed = runs[name]["history"]
     assert [h["step"] for h in resumed] == list(steps)
     for record in resumed:

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from helpers import (
     FAMILIES,
     GLOBAL_BATCH,
+    MAX_LEN,
     ROOT,
     STEPS,
     TOKENIZER,
+    cross_rank_row,
     fixed_batch,
     packed_documents,
     parity_config,
@@ -30,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from dtrain.config import TrainConfig
 from dtrain.data import IGNORE, build_data
+from dtrain.parallel.context import local_token_indices
 
 RTOL = 1e-5
 MESH_RUNS = {
@@ -141,6 +144,30 @@ def test_packed_documents_cross_the_cp_chunk_borders(models):
     crossing = [span for span in documents(batch) if span[1] // chunk != (span[2] - 1) // chunk]
     assert len(crossing) >= GLOBAL_BATCH, documents(batch)
     assert any(row_docs > 1 for row_docs in torch.bincount(torch.tensor([s[0] for s in documents(batch)])))
+
+
+def test_cp_rank_zero_attends_to_the_tokens_the_other_ranks_hold(models, mesh_runs):
+    """At cp = 4, rank 0's own summed loss on one row (its chunks 0 and 7) is HF's on the whole row
+    at those tokens, and it moves when a token only rank 3 holds changes; attending to rank 0's own
+    tokens alone (HF on just those tokens, at their global positions) gives another loss."""
+    model = AutoModelForCausalLM.from_pretrained(
+        models["untied"], dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model.load_state_dict(mesh_runs["cp4"]["params"])  # the cp run's trained weights
+    index = local_token_indices(MAX_LEN, cp=4, rank=0)
+    whole_row, local_only = [], []
+    with torch.no_grad():
+        for batch in cross_rank_row():
+            logits = model(input_ids=batch["input_ids"]).logits[0]
+            losses = F.cross_entropy(logits, batch["labels"][0], ignore_index=IGNORE, reduction="none")
+            whole_row.append(losses[index].sum().item())
+            own = model(input_ids=batch["input_ids"][:, index], position_ids=index[None]).logits[0]
+            local_only.append(F.cross_entropy(own, batch["labels"][0, index], reduction="sum").item())
+    cp_losses = mesh_runs["cp4"]["cp_rank_losses"]
+    assert cp_losses == pytest.approx(whole_row, rel=RTOL)
+    assert abs(whole_row[1] - whole_row[0]) > 1e-3 * whole_row[0]  # rank 3's token reaches rank 0
+    assert local_only[1] == pytest.approx(local_only[0], rel=1e-6)  # ... and cannot without the gather
+    assert abs(cp_losses[0] - local_only[0]) > 1e-3 * local_only[0]
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -4,6 +4,10 @@
   and 8; its sharding invariants are asserted on every rank.
 - `resume_fsdp`: step 4 of `hsdp` resumed on plain FSDP 4×2 (dp_shard, tp); it checkpoints at step 8.
 - `resume_hsdp`: step 8 of `resume_fsdp` resumed on HSDP 2×4×1: back from FSDP to HSDP.
+- `cp`: dp 2 × cp 2 × tp 2 on packed rows (documents cross the chunk borders), checkpointing at steps
+  4 and 8; its sharding (over dp_shard × cp and tp) is asserted on every rank.
+- `resume_cp4` and `resume_cp1`: steps 4 and 8 of `cp` resumed at cp = 4 (dp 2 × cp 4) and cp = 1
+  (dp 4 × tp 2): the model state does not depend on cp.
 - `unplanned`: a Linear the TP plan does not name, added to a decoder layer: parallelize must refuse it.
 
 Rank 0 saves `<out>/<name>.pt`; a failed invariant exits non-zero.
@@ -24,7 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import parity_config, save_results, worker_args  # noqa: E402
+from helpers import check_sharding, one_backward, parity_config, save_results, worker_args  # noqa: E402
 
 from dtrain.config import check_config  # noqa: E402
 from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
@@ -42,6 +46,13 @@ def hsdp_config(model_dir: Path, replicate: int, shard: int, tp: int, out: Path,
     config.parallel.dp_replicate = replicate
     config.checkpoint.every = 4
     config.checkpoint.dir = str(out / name / "checkpoints")
+    return config
+
+
+def cp_config(model_dir: Path, shard: int, cp: int, tp: int, out: Path, name: str):
+    config = hsdp_config(model_dir, 1, shard, tp, out, name)
+    config.parallel.cp = cp
+    config.data.packing = True
     return config
 
 
@@ -107,6 +118,16 @@ def main() -> None:
     back = run(hsdp_config(args.untied, 2, 4, 1, out, "resume_hsdp"), "resume_hsdp", out, device, step8)
     check_hsdp_sharding(back.model, back.optimizer, shard=4, tp=1)
     results["resume_hsdp"] = {"history": back.history}
+
+    cp = run(cp_config(args.untied, 2, 2, 2, out, "cp"), "cp", out, device)
+    one_backward(cp.model)
+    check_sharding(cp.model, cp.optimizer, dp=2, tp=2, cp=2)
+    params = {canonical_name(n): p.full_tensor() for n, p in cp.model.named_parameters()}
+    results["cp"] = {"history": cp.history, "params": params}
+    for name, (shard, degree, tp, step) in {"resume_cp4": (2, 4, 1, 4), "resume_cp1": (4, 1, 2, 8)}.items():
+        checkpoint = out / "cp" / "checkpoints" / f"step-{step:08d}"
+        resumed = run(cp_config(args.untied, shard, degree, tp, out, name), name, out, device, checkpoint)
+        results[name] = {"history": resumed.history}
 
     results["unplanned"] = {"error": unplanned_linear_error(args.untied, device)}
     save_results(results, out)

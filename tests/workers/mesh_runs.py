@@ -7,7 +7,6 @@ compares the files with a single-process Hugging Face reference.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -19,8 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers import (  # noqa: E402
     FAMILIES,
-    MAX_LEN,
+    check_sharding,
+    cross_rank_row,
     full_logits,
+    one_backward,
     packed_documents,
     parity_config,
     sharded_model,
@@ -28,10 +29,11 @@ from helpers import (  # noqa: E402
 )
 
 from dtrain.config import check_config  # noqa: E402
-from dtrain.distributed import init_distributed  # noqa: E402
+from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
 from dtrain.model import canonical_name, load_model_config  # noqa: E402
 from dtrain.parallel import fused  # noqa: E402
-from dtrain.trainer import train  # noqa: E402
+from dtrain.parallel.context import shard_sequence  # noqa: E402
+from dtrain.trainer import summed_loss, train  # noqa: E402
 
 EXPORT = {"checkpoint.export_hf": True, "checkpoint.export_dtype": "fp32"}
 PACKED = {"data.packing": True}
@@ -95,40 +97,15 @@ def apply_overrides(config: object, overrides: dict) -> None:
         setattr(getattr(config, group), name, value)
 
 
-def check_sharding(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp: int, tp: int, cp: int = 1
-) -> None:
-    """Parameters, gradients and AdamW states: DTensors on the one 2-D mesh, sharded over both axes
-    where tp shards them, each local shard at most ceil(numel / (dp·cp·tp)): FSDP shards over
-    dp_shard × cp. At tp = 1 no TP is applied: the mesh is the FSDP mesh alone."""
-    fsdp = "dp_shard_cp" if cp > 1 else "dp_shard"
-    names = (fsdp, "tp") if tp > 1 else (fsdp,)
-    dp = dp * cp
-    for name, param in model.named_parameters():
-        states = optimizer.state[param]
-        for label, tensor in [("param", param), ("grad", param.grad), *states.items()]:
-            if label == "step":
-                continue
-            assert isinstance(tensor, DTensor), f"{label} of {name} is not a DTensor"
-            assert tuple(tensor.device_mesh.mesh_dim_names) == names, (
-                f"{label} of {name}: {tensor.device_mesh}"
-            )
-            assert tensor.placements == param.placements, f"{label} of {name}: {tensor.placements}"
-        tp_sharded = tp > 1 and isinstance(param.placements[1], Shard)
-        bound = math.ceil(param.numel() / (dp * tp if tp_sharded else dp))
-        assert param.to_local().numel() <= bound, f"{name}: {param.to_local().numel()} > {bound}"
-        if any(key in name for key in ("embed_tokens", "lm_head", "proj")):
-            assert tp == 1 or tp_sharded, f"{name} is not sharded over tp: {param.placements}"
-
-
-def one_backward(model: torch.nn.Module) -> None:
-    """Leave gradients in place (the trainer zeroes them after each step) for check_sharding."""
-    ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) % 50
-    positions = torch.arange(MAX_LEN).expand(2, -1)
-    from dtrain.loss import loss_context, summed_cross_entropy
-
-    with loss_context(True):
-        summed_cross_entropy(model(input_ids=ids, position_ids=positions).logits, ids).backward()
+@torch.no_grad()
+def cp_rank_losses(model: torch.nn.Module, cp_mesh) -> list[float]:
+    """Each cp rank's own summed token loss on helpers.cross_rank_row(), as is and with one token
+    changed that only the last cp rank holds: [loss, loss with the token changed] of rank 0."""
+    losses = []
+    for batch in cross_rank_row():
+        shard = shard_sequence({key: value.to(model.device) for key, value in batch.items()}, cp_mesh)
+        losses.append(summed_loss(model, shard).item())
+    return losses
 
 
 def main() -> None:
@@ -160,6 +137,8 @@ def main() -> None:
             saved["trained_logits"], saved["hf"] = full_logits(result.model), str(run_dir / "hf")
         if kind in WIDTH_NORMS:
             saved["q_norm"] = q_norm_output(fresh)
+        if config.parallel.cp == 4:
+            saved["cp_rank_losses"] = cp_rank_losses(result.model, build_parallel(shape, device)["cp"])
         if kind in PACKED_WINDOW:
             config.data.packing = True
             saved["packed_logits"] = packed_logits(sharded_model(config, device))
