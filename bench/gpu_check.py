@@ -1,10 +1,10 @@
 """`python bench/gpu_check.py`: the device check for one lent GPU (an H200). dtrain on a 1×1 mesh vs
 the plain PyTorch + transformers loop, on a Llama-3.2-1B-shaped model (random init from
 its config.json shipped in dtrain/assets/architectures: nothing is downloaded), bf16, eager and
-compiled, with one document per row and with packed rows. Prints each group's rows as it finishes, then one table:
-tokens/s (all, supervised), MFU, step time, peak memory (what each variant adds), ratio to the first
-row; then the host syncs of one dtrain step (CUDA's sync debug mode). Meant to finish in under 8
-minutes including compilation and warm-up.
+compiled, with one document per row and with packed rows. Prints each group's rows as it finishes,
+then one table: tokens/s (all, supervised), MFU, step time, peak memory (what each variant adds),
+ratio to the first row; then the host syncs of one dtrain step (CUDA's sync debug mode). Meant to
+finish in under 8 minutes including compilation and warm-up.
 
 `--dry-run` runs the same code on the CPU with the bench's tiny model, one step each (bf16 too), so
 the script's logic is checked where no GPU is lent. Packed rows take the flex path on CUDA only."""
