@@ -322,17 +322,25 @@ def tokenizer_source(settings: ModelConfig) -> str:
     return settings.tokenizer or resolve_model_path(settings.name_or_path)
 
 
+def has_weights(name_or_path: str | None) -> bool:
+    """Whether the model folder (or hub id) holds safetensors weights; no name_or_path holds none."""
+    return bool(name_or_path) and any(Path(resolve_model_path(name_or_path)).glob("*.safetensors"))
+
+
 def resolve_init(settings: ModelConfig) -> str:
     """model.init as it will run: `auto` is `pretrained` when name_or_path has weights (safetensors),
     else `random` (said in the log). `pretrained` without weights is an error."""
-    folder = resolve_model_path(settings.name_or_path) if settings.name_or_path else None
-    has_weights = folder is not None and any(Path(folder).glob("*.safetensors"))
-    if settings.init == "pretrained" and not has_weights:
-        where = f"{settings.name_or_path!r} has no *.safetensors files" if folder else "no model.name_or_path"
+    weights = has_weights(settings.name_or_path)
+    if settings.init == "pretrained" and not weights:
+        where = (
+            f"{settings.name_or_path!r} has no *.safetensors files"
+            if settings.name_or_path
+            else "no model.name_or_path"
+        )
         raise ConfigError(f"model.init=pretrained: {where} (model.init=random trains from scratch)")
     if settings.init != "auto":
         return settings.init
-    return "pretrained" if has_weights else "random"
+    return "pretrained" if weights else "random"
 
 
 PACKED_ROWS = "dtrain_packed_rows"  # a config attribute: rows may hold several documents

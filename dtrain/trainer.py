@@ -22,7 +22,7 @@ from dtrain.export import export_hf
 from dtrain.fused_loss import FusedLinearCrossEntropy
 from dtrain.loss import chunked_summed_cross_entropy, head_detached, loss_context, summed_cross_entropy
 from dtrain.metrics import count_parameters, flops_per_token, log, memory_figures, open_sinks, peak_flops
-from dtrain.model import build_meta_model, materialize, resolve_model_path, tokenizer_source
+from dtrain.model import build_meta_model, has_weights, materialize, tokenizer_source
 from dtrain.optim import build_optimizer, build_scheduler, clip_grads, global_grad_norm
 from dtrain.parallel.context import CONTEXT_KWARG, shard_sequence
 from dtrain.parallel.parallelize import parallelize
@@ -305,7 +305,7 @@ def log_summary(
     mesh = dict(zip(parallel.mesh.mesh_dim_names, parallel.mesh.shape, strict=True))
     init = "weights loaded" if config.model.init == "pretrained" else "seeded random init"
     if config.model.init == "random" and config.model.name_or_path:
-        weights = any(Path(resolve_model_path(config.model.name_or_path)).glob("*.safetensors"))
+        weights = has_weights(config.model.name_or_path)
         init = "model.init=random: seeded random init" if weights else "no weights: seeded random init"
     log.info(
         f"model {config.model.name_or_path or 'from model.config'} ({init}) | tokenizer {tokenizer_folder} | "
