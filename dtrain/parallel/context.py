@@ -14,7 +14,6 @@ document mask, which packed rows need; this path runs on every device and takes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,15 +39,25 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (position_ids == 0).cumsum(dim=-1)
 
 
-@dataclass(eq=False)
 class ContextShard:
-    """What attention needs to see a whole row from one cp rank's tokens."""
+    """What attention needs to see a whole row from one cp rank's tokens. A plain class, not a
+    dataclass: FSDP2 copies dataclasses among a layer's inputs field by field, which would hand every
+    layer an empty mask cache (and every layer would build and keep its own mask)."""
 
-    mesh: DeviceMesh  # the cp ranks of this (dp, tp) coordinate
-    query_index: torch.Tensor  # [local]: the global index of each local token
-    documents: torch.Tensor  # [batch, seq]: the document of every token of the row
-    gather_order: torch.Tensor  # [seq]: where each global index sits in the rank-order all-gather
-    masks: dict[tuple[str, int | None], Any] = field(default_factory=dict)  # built once, for every layer
+    def __init__(
+        self,
+        mesh: DeviceMesh,  # the cp ranks of this (dp, tp) coordinate
+        query_index: torch.Tensor,  # [local]: the global index of each local token
+        documents: torch.Tensor,  # [batch, seq]: the document of every token of the row
+        gather_order: torch.Tensor,  # [seq]: where each global index sits in the rank-order all-gather
+    ) -> None:
+        self.mesh, self.query_index, self.documents, self.gather_order = (
+            mesh,
+            query_index,
+            documents,
+            gather_order,
+        )
+        self.masks: dict[tuple[str, int | None], Any] = {}  # built once, shared by every layer
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, heads, local, dim] on each rank → [batch, heads, seq, dim], in global order."""
