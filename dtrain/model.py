@@ -29,9 +29,9 @@ from dtrain.parallel.context import CONTEXT_KWARG, ContextShard, document_ids
 ATTENTION = "dtrain_causal"
 # Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
 ARCHITECTURES = Path(__file__).parent / "assets" / "architectures"
-# What activation checkpointing and torch.compile insert into parameter names.
 # transformers' renamings of the family's checkpoint keys, set on the meta model by build_meta_model.
 CHECKPOINT_TRANSFORMS = "dtrain_checkpoint_transforms"
+# What activation checkpointing and torch.compile insert into parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -444,20 +444,20 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def file_keys(model: nn.Module, files: list[Path]) -> dict[str, str]:
+def file_keys(model: nn.Module, files: list[Path], state: dict[str, torch.Tensor]) -> dict[str, str]:
     """{parameter name: its key in the safetensors files}, by transformers' own renamings of the
     family's checkpoints (GPT-NeoX's `embed_out` is the model's `lm_head`, a base model's files
-    lack the `model.` prefix); keys that need more than a rename are refused, not misread."""
+    lack the `model.` prefix, checked against `state`, hf_state_dict's names); keys that need more
+    than a rename are refused, not misread."""
     transforms = getattr(model, CHECKPOINT_TRANSFORMS)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
-    meta_state = model.state_dict()
     names = {}
     for file in files:
         with safe_open(file, "pt") as reader:
             for key in reader.keys():
                 name, converter = rename_source_key(
-                    key, renamings, converters, model.base_model_prefix, meta_state
+                    key, renamings, converters, model.base_model_prefix, state
                 )
                 if converter is not None:
                     raise ConfigError(
@@ -473,8 +473,9 @@ def load_hf_weights(model: nn.Module, folder: str) -> None:
     files = list(Path(folder).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model.name_or_path={folder!r}: no *.safetensors files to load")
-    keys = file_keys(model, files)
-    state = {keys.get(name, name): tensor for name, tensor in hf_state_dict(model).items()}
+    state = hf_state_dict(model)
+    keys = file_keys(model, files, state)
+    state = {keys.get(name, name): tensor for name, tensor in state.items()}
     # Padded vocabulary matrices have more rows than the files: read by hand, the rest by DCP.
     padded = {name: state.pop(name) for name in vocab.padded_params(model) if name in state}
     fused.load_parts(model, state, files)  # split fused projections: their rows of HF's tensors

@@ -25,6 +25,7 @@ from dtrain.config import (
     ParallelConfig,
     TrainConfig,
 )
+from dtrain.data import IGNORE
 from dtrain.loss import loss_context, summed_cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,7 +179,7 @@ def cross_rank_row() -> list[dict[str, torch.Tensor]]:
     return [
         {
             "input_ids": row,
-            "labels": torch.cat([row[:, 1:], torch.full((1, 1), -100)], dim=1),
+            "labels": torch.cat([row[:, 1:], torch.full((1, 1), IGNORE)], dim=1),
             "position_ids": torch.arange(MAX_LEN)[None],
             "num_tokens": torch.tensor([MAX_LEN]),
         }

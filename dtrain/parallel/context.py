@@ -51,12 +51,10 @@ class ContextShard:
         documents: torch.Tensor,  # [batch, seq]: the document of every token of the row
         gather_order: torch.Tensor,  # [seq]: where each global index sits in the rank-order all-gather
     ) -> None:
-        self.mesh, self.query_index, self.documents, self.gather_order = (
-            mesh,
-            query_index,
-            documents,
-            gather_order,
-        )
+        self.mesh = mesh
+        self.query_index = query_index
+        self.documents = documents
+        self.gather_order = gather_order
         self.masks: dict[tuple[str, int | None], Any] = {}  # built once, shared by every layer
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
