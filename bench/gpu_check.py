@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dtrain.bench import (  # noqa: E402
+from dtrain.bench.variants import (  # noqa: E402
     TINY_MODEL,
     Result,
     Setup,

@@ -28,7 +28,7 @@ from dtrain.estimate.planner import plan  # noqa: E402
 from dtrain.model import build_meta_model, load_model_config, materialize  # noqa: E402
 from dtrain.optim import build_optimizer  # noqa: E402
 from dtrain.parallel.parallelize import parallelize  # noqa: E402
-from dtrain.trainer import micro_step, optimizer_step  # noqa: E402
+from dtrain.step import micro_step, optimizer_step  # noqa: E402
 
 GIB = 2**30
 

@@ -24,17 +24,11 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, GenerationConfig, PreTrainedTokenizerBase
 
+from dtrain.attention import ATTENTION, CONFIG_KEYS
 from dtrain.checkpoint import COMPLETE, is_complete, saved_config
 from dtrain.config import Config, ConfigError, MeshShape
 from dtrain.distributed import build_parallel, init_distributed, shutdown
-from dtrain.model import (
-    ATTENTION,
-    PACKED_ROWS,
-    build_meta_model,
-    hf_state_dict,
-    load_model_config,
-    tokenizer_source,
-)
+from dtrain.model import allocate, build_model, hf_state_dict, load_model_config, tokenizer_source
 from dtrain.parallel import fused, vocab
 
 log = logging.getLogger("dtrain")
@@ -72,9 +66,10 @@ def export_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, d
 
 
 def _drop_attention_override(config_json: Path) -> None:
-    """dtrain's attention and packing flag exist only inside dtrain: exported models use the defaults."""
+    """dtrain's attention and its settings exist only inside dtrain: exported models use the defaults."""
     config = json.loads(config_json.read_text())
-    config.pop(PACKED_ROWS, None)
+    for key in CONFIG_KEYS:
+        config.pop(key, None)
     if config.get("_attn_implementation") == ATTENTION or config.get("attn_implementation") == ATTENTION:
         config.pop("_attn_implementation", None)
         config.pop("attn_implementation", None)
@@ -91,8 +86,6 @@ def _generation_config(model: nn.Module) -> GenerationConfig:
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str) -> None:
     """Rebuild the model of a checkpoint as plain FSDP over this world and export it."""
     from dtrain.data import load_tokenizer
-    from dtrain.model import reset_rotary_buffers
-    from dtrain.parallel.parallelize import parallelize
 
     if not is_complete(checkpoint):
         raise ConfigError(f"{checkpoint}: not a complete dtrain checkpoint (no {COMPLETE})")
@@ -102,11 +95,11 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str) -> None:
     device = init_distributed(config.parallel.timeout_s)
     world = dist.get_world_size()
     parallel = build_parallel(MeshShape(1, world, 1, 1), device)
-    config.parallel.tp, config.parallel.dp_shard = 1, world
-    model = build_meta_model(model_config, vocab_rows=vocab.saved_vocab_rows(checkpoint))  # padded as saved
-    parallelize(model, parallel, config.parallel, "fp32")
-    model.to_empty(device=device)  # every weight comes from the checkpoint
-    reset_rotary_buffers(model, device)
+    config.parallel.tp, config.parallel.dp_shard, config.train.precision = 1, world, "fp32"
+    model = build_model(
+        model_config, config, parallel, None, vocab.saved_vocab_rows(checkpoint)
+    )  # padded as saved
+    allocate(model, device)  # every weight comes from the checkpoint
     state = {f"model.{name}": tensor for name, tensor in hf_state_dict(model).items()}
     dcp.load(state, checkpoint_id=str(checkpoint))
     tokenizer = load_tokenizer(tokenizer_source(config.model))

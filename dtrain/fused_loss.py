@@ -31,7 +31,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
-from dtrain.data import IGNORE
+from dtrain.loss import IGNORE
 
 
 @dataclass(frozen=True)

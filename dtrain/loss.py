@@ -15,7 +15,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
-from dtrain.data import IGNORE
+# The label of a position that is not a target (prompt, padding, a document's first token):
+# cross-entropy's default ignore_index.
+IGNORE = -100
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:

@@ -3,15 +3,12 @@ straight into the sharded parameters, or a seeded init that is the same on every
 
 from __future__ import annotations
 
-import functools
 import os
 import zlib
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -20,248 +17,19 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
-from transformers.modeling_utils import AttentionInterface
 
-from dtrain.config import ConfigError, ModelConfig
+from dtrain import attention
+from dtrain.config import Config, ConfigError, ModelConfig
+from dtrain.distributed import Parallel
 from dtrain.parallel import fused, phi3, vocab
-from dtrain.parallel.context import CONTEXT_KWARG, ContextShard, document_ids
+from dtrain.parallel.parallelize import parallelize
 
-ATTENTION = "dtrain_causal"
 # Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
 ARCHITECTURES = Path(__file__).parent / "assets" / "architectures"
 # transformers' renamings of the family's checkpoint keys, set on the meta model by build_meta_model.
 CHECKPOINT_TRANSFORMS = "dtrain_checkpoint_transforms"
 # What activation checkpointing and torch.compile insert into parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def causal_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    position_ids: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Causal attention over the full (gathered) sequence. HF would build its mask from the local,
-    sequence-sharded length, so it builds none (see the registration below); padding is on the right.
-    Packed rows restart `position_ids` (full length: HF forwards them to here) at every document:
-    then the mask is block-diagonal causal, so no token attends across documents. A sliding-window
-    layer (HF passes `sliding_window`) sees only its last `sliding_window` keys, itself included, as
-    HF's `sliding_window_overlay`; a window that covers the sequence is plain causal. On CUDA packed
-    rows and windows go through flex attention with a block mask (only the blocks that hold an
-    allowed pair are computed); elsewhere through sdpa with a dense mask. Both compute the same
-    function."""
-    check_supported(module)
-    context = kwargs.get(CONTEXT_KWARG)  # context parallel: this rank holds a part of each row
-    if context is not None:
-        return context_attention(query, key, value, context, dropout, scaling, kwargs.get("sliding_window"))
-    window = effective_window(kwargs.get("sliding_window"), query.shape[-2])
-    gqa = getattr(module, "num_key_value_groups", 1) > 1
-    packed = getattr(module.config, PACKED_ROWS, False)
-    if (packed or window) and packed_attention_backend(query.device) == "flex":
-        if dropout:
-            raise ValueError(
-                f"attention dropout {dropout}: flex attention (packed rows or windows on CUDA) has none"
-            )
-        block_mask = kwargs.get(SLIDING_BLOCK_MASK_KWARG if window else BLOCK_MASK_KWARG)
-        if block_mask is None:
-            block_mask = sliding_block_mask(position_ids, window, packed) if window else None
-        out = flex_document_attention(query, key, value, position_ids, scaling, gqa, block_mask)
-    else:
-        mask = dense_mask(position_ids, packed, window) if packed or window else None
-        out = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            dropout_p=dropout,
-            is_causal=mask is None,
-            scale=scaling,
-            enable_gqa=gqa,
-        )
-    return out.transpose(1, 2).contiguous(), None
-
-
-def context_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    context: ContextShard,
-    dropout: float,
-    scale: float | None,
-    window: int | None,
-) -> tuple[torch.Tensor, None]:
-    """Context parallel: this rank's queries against the whole row's keys and values, gathered over
-    cp, under the causal, document and window mask of the global token indices (parallel/context.py)."""
-    key, value = context.gather(key), context.gather(value)
-    window = effective_window(window, key.shape[-2])
-    gqa = query.shape[1] != key.shape[1]
-    if packed_attention_backend(query.device) == "flex":
-        if dropout:
-            raise ValueError(
-                f"attention dropout {dropout}: flex attention (context parallel on CUDA) has none"
-            )
-        out = flex_attention_call(query, key, value, context.block_mask(window), scale, gqa)
-    else:
-        mask = context.mask(window)
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
-        )
-    return out.transpose(1, 2).contiguous(), None
-
-
-def check_supported(module: nn.Module) -> None:
-    """What dtrain does not compute must stop the run, not silently change the model. Checked here,
-    the one place every model passes at any tp: bidirectional attention, attention softcapping, and
-    final-logit softcapping, which the chunked loss (parallel.loss_chunk) would apply to the hidden
-    states instead of the logits."""
-    if not getattr(module, "is_causal", True):
-        raise ValueError(f"{type(module).__name__}: bidirectional attention; dtrain trains causal LMs only")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(module.config, key, None) is not None:
-            raise ValueError(
-                f"{key}={getattr(module.config, key)}: dtrain has no softcapping; set it to null"
-            )
-
-
-def effective_window(window: int | None, seq: int) -> int | None:
-    """The sliding window, or None where it covers all `seq` positions (then it is plain causal)."""
-    return window if window is not None and window < seq else None
-
-
-def config_window(config: PretrainedConfig, seq: int) -> int | None:
-    """The window the sliding layers of this config use on rows of `seq` (Mistral, Qwen2 with
-    use_sliding_window, Gemma 3's local layers: all pass config.sliding_window), or None."""
-    return effective_window(getattr(config, "sliding_window", None), seq)
-
-
-def packed_attention_backend(device: torch.device) -> str:
-    """flex on CUDA (compiled Triton kernels, block-sparse); sdpa with a dense [seq, seq] mask on any
-    other device (flex has no backward on CPU)."""
-    return "flex" if device.type == "cuda" else "sdpa"
-
-
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, 1, seq, seq] boolean (True: may attend): causal within each document. A dense mask is
-    what sdpa takes on any device."""
-    return dense_mask(position_ids, packed=True, window=None)
-
-
-def dense_mask(position_ids: torch.Tensor, packed: bool, window: int | None) -> torch.Tensor:
-    """[batch or 1, 1, seq, seq] boolean (True: may attend): causal, within each document when
-    `packed`, and within the last `window` positions (query included) when a window is given. The
-    window counts row indices, which within a document are its positions."""
-    seq = position_ids.shape[-1]
-    index = torch.arange(seq, device=position_ids.device)
-    distance = index[:, None] - index[None, :]  # query - key
-    allowed = distance >= 0
-    if window is not None:
-        allowed = allowed & (distance < window)
-    if not packed:
-        return allowed[None, None]
-    documents = document_ids(position_ids)
-    same = documents[:, :, None] == documents[:, None, :]
-    return (same & allowed)[:, None]
-
-
-# The model-level forward kwarg that carries the BlockMask: HF passes unknown forward kwargs down to
-# every layer's attention function, so the mask is built once per forward, outside compiled layers.
-BLOCK_MASK_KWARG = "dtrain_block_mask"
-
-
-# The same for the sliding-window layers' BlockMask (layers of one model may differ: Gemma 3).
-SLIDING_BLOCK_MASK_KWARG = "dtrain_sliding_block_mask"
-
-
-def document_block_mask(position_ids: torch.Tensor) -> Any:
-    """flex attention's BlockMask for causal attention within each document of each row."""
-    return _block_mask(position_ids, packed=True, window=None)
-
-
-def sliding_block_mask(position_ids: torch.Tensor, window: int, packed: bool) -> Any:
-    """flex attention's BlockMask of dense_mask(position_ids, packed, window)."""
-    return _block_mask(position_ids, packed, window)
-
-
-def _block_mask(position_ids: torch.Tensor, packed: bool, window: int | None) -> Any:
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    documents = document_ids(position_ids)
-
-    def allowed(b, h, q_idx, kv_idx):
-        keep = q_idx >= kv_idx
-        if packed:
-            keep = keep & (documents[b, q_idx] == documents[b, kv_idx])
-        if window is not None:
-            keep = keep & (q_idx - kv_idx < window)
-        return keep
-
-    batch, seq = position_ids.shape
-    return create_block_mask(allowed, batch if packed else None, None, seq, seq, device=position_ids.device)
-
-
-def _attach_block_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Forward pre-hook of a packed or sliding-window model: build this batch's flex BlockMasks once."""
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None or packed_attention_backend(position_ids.device) != "flex":
-        return args, kwargs
-    packed = getattr(module.config, PACKED_ROWS, False)
-    if packed:
-        kwargs[BLOCK_MASK_KWARG] = document_block_mask(position_ids)
-    window = config_window(module.config, position_ids.shape[-1])
-    if window is not None:
-        kwargs[SLIDING_BLOCK_MASK_KWARG] = sliding_block_mask(position_ids, window, packed)
-    return args, kwargs
-
-
-@functools.cache
-def _compiled_flex_attention() -> Any:
-    """Flex attention is only fast compiled (eager, it is a reference implementation)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
-def flex_document_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    position_ids: torch.Tensor,
-    scale: float | None,
-    gqa: bool,
-    block_mask: Any = None,
-) -> torch.Tensor:
-    """[batch, heads, seq, head_dim] attention within documents, as sdpa with document_mask gives."""
-    if block_mask is None:
-        block_mask = document_block_mask(position_ids)
-    return flex_attention_call(query, key, value, block_mask, scale, gqa)
-
-
-def flex_attention_call(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    block_mask: Any,
-    scale: float | None,
-    gqa: bool,
-) -> torch.Tensor:
-    """Compiled on CUDA (inside a compiled layer, dynamo compiles the call itself); eager elsewhere
-    (forward only: how the CPU tests compare it with sdpa)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    eager_call = query.is_cuda and not torch.compiler.is_compiling()
-    attend = _compiled_flex_attention() if eager_call else flex_attention
-    return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-
-
-# No mask function is registered for ATTENTION: HF then skips mask creation altogether (its path for
-# custom attention), including the scan of position_ids for packed rows, which reads a device value
-# on the host in every forward.
-AttentionInterface.register(ATTENTION, causal_attention)
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -343,55 +111,71 @@ def resolve_init(settings: ModelConfig) -> str:
     return "pretrained" if weights else "random"
 
 
-PACKED_ROWS = "dtrain_packed_rows"  # a config attribute: rows may hold several documents
 # Model types whose fused projections are split into one module per part (dtrain/parallel/fused.py).
 SPLIT_FUSED = {"phi3": phi3.split_fused_projections}
 
 
-def build_meta_model(
-    config: PretrainedConfig, packed: bool = False, vocab_rows: int | None = None
+def build_model(
+    model_config: PretrainedConfig,
+    config: Config,
+    parallel: Parallel,
+    device: torch.device | None,
+    vocab_rows: int | None = None,
+    attention_backend: str = "auto",
 ) -> nn.Module:
-    """The model on the meta device. `packed` (data.packing) turns on the document mask: a setting,
-    not a test of each batch, so no step waits on the device to decide it. `vocab_rows`
+    """The one way dtrain makes a model: on the meta device, sharded over the mesh (TP, activation
+    checkpointing, compile, FSDP2: parallelize), then this rank's shards allocated on `device` and
+    filled as model.init says. `device=None` leaves the shards on the meta device for the caller
+    to allocate (the planner, on fake tensors; export, from a checkpoint). `vocab_rows` defaults
+    to the vocabulary padded for this tp (a resumed run passes the checkpoint's)."""
+    rows = vocab_rows or vocab.padded_vocab_size(model_config.vocab_size, parallel.tp_size)
+    model = build_meta_model(model_config, config.data.packing, rows, attention_backend)
+    parallelize(model, parallel, config.parallel, config.train.precision)
+    if device is not None:
+        materialize(model, device, config.model, config.train.seed)
+    return model
+
+
+def build_meta_model(
+    config: PretrainedConfig,
+    packed: bool = False,
+    vocab_rows: int | None = None,
+    attention_backend: str = "auto",
+) -> nn.Module:
+    """The model on the meta device, unsharded. `packed` (data.packing) turns on the document mask: a
+    setting, not a test of each batch, so no step waits on the device to decide it. `vocab_rows`
     (vocab.padded_vocab_size) pads the embedding and lm_head for a tp that vocab_size is not a
-    multiple of."""
-    config._attn_implementation = ATTENTION
+    multiple of. `attention_backend`: see dtrain.attention."""
+    attention.configure(config, packed, attention_backend)
     config.use_cache = False
-    setattr(config, PACKED_ROWS, packed)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention.ATTENTION, dtype=torch.float32
+        )
     # Looked up by class name, which fully_shard changes: kept from the plain HF class.
     setattr(model, CHECKPOINT_TRANSFORMS, get_model_conversion_mapping(model))
     if config.model_type in SPLIT_FUSED:
         SPLIT_FUSED[config.model_type](model)
     vocab.pad_vocab(model, vocab_rows or config.vocab_size)
-    if packed or getattr(config, "sliding_window", None) is not None:
-        model.register_forward_pre_hook(_attach_block_mask, with_kwargs=True)
+    attention.attach_block_masks(model)
     return model
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The stack of decoder layers of any HF causal LM: the ModuleList of the layer class the model
-    declares unsplittable (`_no_split_modules`). What checkpointing, compile and FSDP wrap one by one."""
-    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__ in layer_classes:
-            return module
-    raise ConfigError(
-        f"model type {model.config.model_type!r}: no stack of decoder layers "
-        f"({', '.join(sorted(layer_classes)) or 'no _no_split_modules'}) found in {type(model).__name__}"
-    )
 
 
 def materialize(model: nn.Module, device: torch.device, settings: ModelConfig, seed: int) -> None:
     """Allocate this rank's shards on `device` and fill them."""
-    model.to_empty(device=device)
-    reset_rotary_buffers(model, device)
+    allocate(model, device)
     if resolve_init(settings) == "pretrained":
         assert settings.name_or_path
         load_hf_weights(model, resolve_model_path(settings.name_or_path))
     else:
         init_weights(model, seed)
+
+
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """This rank's shards on `device`, not yet filled (weights come next: HF files, the seeded init or a
+    checkpoint); the rotary buffers, which no file holds, computed."""
+    model.to_empty(device=device)
+    reset_rotary_buffers(model, device)
 
 
 def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:

@@ -22,12 +22,21 @@ from omegaconf import DictConfig, OmegaConf
 from submitit.helpers import TorchDistributedEnvironment
 
 from dtrain.checkpoint import CheckpointError, checkpoint_dir, find_resume_path, other_run_in
-from dtrain.cli import CONF, EXIT_CONFIG_ERROR, JobFailed, fail, register, run_id, with_embedded_defaults
 from dtrain.config import Config, ConfigError, check_config, to_config, world_size_from_env
 from dtrain.distributed import init_distributed, rank_from_env, shutdown
-from dtrain.metrics import log
+from dtrain.hydra_glue import (
+    CONF,
+    EXIT_CONFIG_ERROR,
+    JobFailed,
+    fail,
+    register,
+    run_id,
+    with_embedded_defaults,
+)
 from dtrain.model import load_model_config, resolve_init
 from dtrain.reliability import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted, RankFailure
+
+log = logging.getLogger("dtrain")
 
 # bf16 where it is fast (CUDA); fp32 on CPU, where bf16 is slow and the tests need exact numerics.
 register(Config, lambda: "bf16" if torch.cuda.is_available() else "fp32")

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import functools
+import logging
 import time
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,18 +15,19 @@ from torch.distributed.tensor import DTensor
 
 from dtrain.checkpoint import Checkpointer, Progress, checkpoint_dir, load
 from dtrain.config import Config, MeshShape
-from dtrain.data import IGNORE, build_data, load_tokenizer
+from dtrain.data import build_data, load_tokenizer
 from dtrain.distributed import Parallel, build_parallel
 from dtrain.export import export_hf
-from dtrain.fused_loss import FusedLinearCrossEntropy
-from dtrain.loss import chunked_summed_cross_entropy, head_detached, loss_context, summed_cross_entropy
-from dtrain.metrics import count_parameters, flops_per_token, log, memory_figures, open_sinks, peak_flops
-from dtrain.model import build_meta_model, has_weights, materialize, tokenizer_source
-from dtrain.optim import build_optimizer, build_scheduler, clip_grads, global_grad_norm
-from dtrain.parallel.context import CONTEXT_KWARG, shard_sequence
-from dtrain.parallel.parallelize import parallelize
+from dtrain.loss import IGNORE
+from dtrain.metrics import count_parameters, flops_per_token, memory_figures, peak_flops
+from dtrain.model import build_model, has_weights, tokenizer_source
+from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
 from dtrain.reliability import Preempted, StepGuard
+from dtrain.sinks import open_sinks
+from dtrain.step import evaluate, local_micro_batch, micro_step, optimizer_step
+
+log = logging.getLogger("dtrain")
 
 
 @dataclass
@@ -53,9 +53,7 @@ def train(
     torch.manual_seed(config.train.seed)
 
     vocab_rows = padded_vocab_size(model_config.vocab_size, shape.tp, saved_vocab_rows(resume_from))
-    model = build_meta_model(model_config, packed=config.data.packing, vocab_rows=vocab_rows)
-    parallelize(model, parallel, config.parallel, config.train.precision)
-    materialize(model, device, config.model, config.train.seed)
+    model = build_model(model_config, config, parallel, device, vocab_rows)
     model.train()
     params = list(model.parameters())
     optimizer = build_optimizer(model, config.optim)
@@ -93,7 +91,7 @@ def train(
                 raise Preempted(step)
             wait_start = time.perf_counter()
             host_batches = guard.agreed(step, batches.next_step)
-            micro_batches = [shard_sequence(to_device(mb, device), parallel["cp"]) for mb in host_batches]
+            micro_batches = [local_micro_batch(mb, parallel) for mb in host_batches]
             data_wait += time.perf_counter() - wait_start
             # The loss is a token mean over the whole global batch: count its targets on every dp and
             # cp rank (and its non-pad slots, for the padding fraction).
@@ -184,95 +182,6 @@ def train(
         for sink in sinks:
             sink.close()
     return RunResult(history, model, optimizer)
-
-
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module,
-    micro_batches: list,
-    parallel: Parallel,
-    loss_parallel: bool,
-    loss_impl: str = "dense",
-    loss_chunk: int = 0,
-) -> dict[str, Any]:
-    """eval_loss: the token mean over the whole eval set (every dp and cp rank's share)."""
-    model.eval()
-    totals = torch.zeros(2, device=parallel.device)
-    for mb in micro_batches:
-        mb = shard_sequence(to_device(mb, parallel.device), parallel["cp"])
-        with loss_context(loss_parallel):
-            totals[0] += summed_loss(model, mb, loss_impl, loss_chunk)
-        totals[1] += (mb["labels"] != IGNORE).sum()
-    dist.all_reduce(totals, group=parallel.token_group)
-    model.train()
-    return {"eval_loss": (totals[0] / totals[1]).item(), "eval_tokens": int(totals[1].item())}
-
-
-def micro_step(
-    model: torch.nn.Module,
-    micro_batch: dict[str, torch.Tensor],
-    tokens: torch.Tensor,
-    loss_parallel: bool,
-    loss_impl: str = "dense",
-    loss_chunk: int = 0,
-) -> torch.Tensor:
-    """Forward, loss and backward of one micro-batch; returns its summed loss, detached. A function of
-    its own so the logits die with it, and so dtrain.estimate measures exactly this step."""
-    with loss_context(loss_parallel):
-        loss = summed_loss(model, micro_batch, loss_impl, loss_chunk)
-        (loss / tokens).backward()
-    return loss.detach()
-
-
-def summed_loss(
-    model: torch.nn.Module,
-    micro_batch: dict[str, torch.Tensor],
-    loss_impl: str = "dense",
-    loss_chunk: int = 0,
-) -> torch.Tensor:
-    """Forward one micro-batch (inside loss_context) and sum its token losses (parallel.loss_impl):
-    dense, lm_head's whole logits then cross-entropy; chunked, lm_head + loss `loss_chunk` local
-    positions at a time, each chunk recomputed in backward; fused, the head, loss and gradients in
-    one pass per chunk (dtrain.fused_loss), nothing recomputed."""
-    inputs = dict(
-        input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
-    )
-    if CONTEXT_KWARG in micro_batch:  # context parallel: attention gathers the rest of each row
-        inputs[CONTEXT_KWARG] = micro_batch[CONTEXT_KWARG]
-    labels = micro_batch["labels"]
-    if loss_impl == "dense":
-        return summed_cross_entropy(model(**inputs).logits, labels)
-    if loss_impl not in ("chunked", "fused"):
-        raise ValueError(f"loss_impl={loss_impl!r}: must be dense, chunked or fused")
-    with head_detached(model) as head, warnings.catch_warnings():
-        # The identity head returns HF's slice of the hidden states, a view: FSDP2 warns against
-        # in-place ops on it, and the chunked losses only slice and read it.
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
-        hidden = model(**inputs).logits
-    if loss_impl == "chunked":
-        return chunked_summed_cross_entropy(head, hidden, labels, loss_chunk)
-    return FusedLinearCrossEntropy(loss_chunk, model.config.vocab_size)(hidden, head.weight, labels)
-
-
-def optimizer_step(
-    optimizer: torch.optim.Optimizer,
-    params: list,
-    max_grad_norm: float,
-    should_skip: Callable[[torch.Tensor], bool] = lambda grad_norm: False,
-) -> tuple[torch.Tensor, bool]:
-    """Clip, step (unless should_skip(norm)), drop the gradients. Returns the norm before
-    clipping and whether the step was skipped."""
-    grad_norm = global_grad_norm(params)
-    skipped = should_skip(grad_norm)  # before clipping, which would spread a NaN to every gradient
-    if not skipped:
-        clip_grads(params, max_grad_norm, grad_norm)
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, skipped
-
-
-def to_device(micro_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {key: value.to(device, non_blocking=True) for key, value in micro_batch.items()}
 
 
 def max_over_ranks(figures: dict[str, float | None], device: torch.device) -> dict[str, float | None]:

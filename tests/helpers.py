@@ -25,8 +25,7 @@ from dtrain.config import (
     ParallelConfig,
     TrainConfig,
 )
-from dtrain.data import IGNORE
-from dtrain.loss import loss_context, summed_cross_entropy
+from dtrain.loss import IGNORE, loss_context, summed_cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "dtrain" / "assets"

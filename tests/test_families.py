@@ -10,8 +10,8 @@ from helpers import FAMILIES, MAX_LEN, TINY
 from transformers import AutoConfig
 from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
 
-import dtrain.model
-from dtrain.model import build_meta_model, dense_mask, init_weights, reset_rotary_buffers
+from dtrain.attention import dense_mask, set_backend
+from dtrain.model import build_meta_model, init_weights, reset_rotary_buffers
 
 
 def hf_window_mask(seq: int, window: int) -> torch.Tensor:
@@ -34,7 +34,7 @@ def test_window_mask_is_hf_sliding_window_causal_mask(window):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_flex_with_a_window_matches_sdpa(monkeypatch, packed):
+def test_flex_with_a_window_matches_sdpa(packed):
     """Gemma 3's interleaved local (window 8) and global layers; forward only (flex has no CPU
     backward), eager flex as on CUDA outside compiled layers."""
     config = AutoConfig.for_model("gemma3_text", **{**TINY, **FAMILIES["gemma3_text"]})
@@ -50,7 +50,7 @@ def test_flex_with_a_window_matches_sdpa(monkeypatch, packed):
     )
     with torch.no_grad():
         sdpa = model(input_ids=ids, position_ids=positions).logits
-        monkeypatch.setattr(dtrain.model, "packed_attention_backend", lambda device: "flex")
+        set_backend(model, "flex")
         flex = model(input_ids=ids, position_ids=positions).logits
         for layer in model.model.layers:  # without the window: a different model (the test bites)
             layer.self_attn.sliding_window = None

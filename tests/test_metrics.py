@@ -14,7 +14,7 @@ import matplotlib.image
 import pytest
 from helpers import read_metrics, run, torchrun, wandb_records
 
-from dtrain.metrics import ConsoleSink, wandb_credentials
+from dtrain.sinks import ConsoleSink, wandb_credentials
 
 STEPS, LOG_EVERY = 4, 2
 FIGURES = [
@@ -152,7 +152,7 @@ def test_wandb_falls_back_offline_when_online_init_fails(monkeypatch, tmp_path, 
     import wandb
 
     from dtrain.config import WandbConfig
-    from dtrain.metrics import WandbSink
+    from dtrain.sinks import WandbSink
 
     modes = []
 

@@ -8,8 +8,9 @@ import random
 import torch
 from helpers import ROOT, torchrun
 
-from dtrain.data import IGNORE, build_row, pack
+from dtrain.data import build_row, pack
 from dtrain.data.packing import efficiency
+from dtrain.loss import IGNORE
 
 
 def test_packed_rows_on_the_mesh_match_one_by_one_and_keep_documents_apart(tmp_path):

@@ -14,7 +14,8 @@ import pytest
 import torch
 from helpers import MAX_LEN, ROOT, TINY, parity_config, run, torchrun
 
-import dtrain.model
+import dtrain.attention
+from dtrain.attention import set_backend
 from dtrain.config import ConfigError, check_config
 from dtrain.data.loader import Rows, SFTLoader
 from dtrain.estimate.planner import plan
@@ -58,9 +59,9 @@ def test_flex_attention_on_packed_rows_matches_sdpa_with_the_document_mask(monke
     with torch.no_grad():
         sdpa = model(input_ids=ids, position_ids=positions).logits
         builds = []
-        build = dtrain.model.document_block_mask
-        monkeypatch.setattr(dtrain.model, "document_block_mask", lambda p: builds.append(1) or build(p))
-        monkeypatch.setattr(dtrain.model, "packed_attention_backend", lambda device: "flex")
+        build = dtrain.attention.document_block_mask
+        monkeypatch.setattr(dtrain.attention, "document_block_mask", lambda p: builds.append(1) or build(p))
+        set_backend(model, "flex")
         flex = model(input_ids=ids, position_ids=positions).logits
     assert len(builds) == 1, f"block mask built {len(builds)} times for one forward"
     torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)

@@ -4,11 +4,10 @@ global seeded stream on StatefulDataLoader), `pipeline` (the stages in order, on
 
 from dtrain.data.formats import load_tokenizer, pad_id
 from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
-from dtrain.data.packing import IGNORE, build_row, pack
+from dtrain.data.packing import build_row, pack
 from dtrain.data.pipeline import SFTData, build_data, prepare, to_rows
 
 __all__ = [
-    "IGNORE",
     "Rows",
     "SFTData",
     "SFTLoader",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-IGNORE = -100
+from dtrain.loss import IGNORE
 
 
 def pack(lengths: Sequence[int], max_len: int) -> list[list[int]]:

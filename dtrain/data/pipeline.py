@@ -4,6 +4,7 @@ cannot train → eval hold-out → weighted mix → rows (packed or not) → loa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -22,7 +23,8 @@ from dtrain.data.formats import KEPT, TRUNCATED, pad_id, tokenize_example
 from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
 from dtrain.data.packing import efficiency, one_per_row, pack
 from dtrain.data.sources import Source, load_split, sources
-from dtrain.metrics import log
+
+log = logging.getLogger("dtrain")
 
 # Bump when tokenize_example changes what it writes, so old cache files are not reused.
 TOKENIZE_VERSION = 1

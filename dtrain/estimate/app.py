@@ -14,10 +14,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from dtrain.cli import CONF, fail, register, with_embedded_defaults
 from dtrain.config import ConfigError, PlanConfig, check_estimate
 from dtrain.estimate.planner import plan, suggest
 from dtrain.estimate.report import to_json, to_table
+from dtrain.hydra_glue import CONF, fail, register, with_embedded_defaults
 
 # Plans are for GPUs: the embedded default's precision is what it would be on CUDA.
 register(PlanConfig, lambda: "bf16")

@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dtrain.fused_loss import FusedLinearCrossEntropy
 from dtrain.model import canonical_name
-from dtrain.trainer import micro_step, optimizer_step
+from dtrain.step import micro_step, optimizer_step
 
 _R, _S = _FSDPRefType, _FSDPModState  # the tracker's categories and module states
 TOTAL = "Total"

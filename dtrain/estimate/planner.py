@@ -24,12 +24,10 @@ from dtrain.config import Config, ConfigError, MeshShape, check_config
 from dtrain.distributed import build_parallel
 from dtrain.estimate.deepspeed import ParamCensus, census
 from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked_micro_batches
-from dtrain.model import build_meta_model, load_model_config, reset_rotary_buffers
+from dtrain.model import allocate, build_meta_model, build_model, load_model_config
 from dtrain.optim import build_optimizer
 from dtrain.parallel.context import shard_sequence
-from dtrain.parallel.parallelize import parallelize
-from dtrain.parallel.vocab import pad_vocab, padded_vocab_size
-from dtrain.trainer import micro_step, optimizer_step
+from dtrain.step import micro_step, optimizer_step
 
 CPU = torch.device("cpu")
 
@@ -126,16 +124,14 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
     accumulation = train.global_batch_size // (train.micro_batch_size * shape.dp)
     with fake_process_group(world_size):
         parallel = build_parallel(shape, CPU)  # the mesh, outside the fake mode (it holds real rank ids)
-        model = build_meta_model(model_config, packed=config.data.packing)
-        params_census = census(model)  # the real vocabulary, as DeepSpeed would hold it
-        pad_vocab(model, padded_vocab_size(model_config.vocab_size, shape.tp))
+        params_census = census(build_meta_model(model_config))  # the real vocabulary, as DeepSpeed's
         # The eager model is planned: torch.compile does not run under fake tensors and a fake
         # process group (it crashes), and fused kernels only lower the activation figures.
-        parallelize(model, parallel, dataclasses.replace(config.parallel, compile=False), train.precision)
+        eager = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, compile=False))
+        model = build_model(model_config, eager, parallel, None)
         # The meta parameters become fake ones on to_empty: allow_non_fake_inputs lets that happen.
         with FakeTensorMode(allow_non_fake_inputs=True), dtensor_meta_in_own_fake_mode():
-            model.to_empty(device=CPU)
-            reset_rotary_buffers(model, CPU)  # the values do not matter; materialize's other half
+            allocate(model, CPU)  # the values do not matter
             model.train()
             optimizer = build_optimizer(model, config.optim)
             params = list(model.parameters())

@@ -15,9 +15,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from dtrain.config import ParallelConfig
+from dtrain.config import ConfigError, ParallelConfig
 from dtrain.distributed import Parallel
-from dtrain.model import decoder_layers
 from dtrain.parallel import gemma3, llama, olmo2, phi3, qwen3
 
 # By `config.model_type`. Mistral and Qwen2 name their modules as Llama does (Qwen2's q/k/v biases
@@ -49,6 +48,19 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of decoder layers of any HF causal LM: the ModuleList of the layer class the model
+    declares unsplittable (`_no_split_modules`). What checkpointing, compile and FSDP wrap one by one."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__ in layer_classes:
+            return module
+    raise ConfigError(
+        f"model type {model.config.model_type!r}: no stack of decoder layers "
+        f"({', '.join(sorted(layer_classes)) or 'no _no_split_modules'}) found in {type(model).__name__}"
+    )
 
 
 def parallelize(model: nn.Module, parallel: Parallel, settings: ParallelConfig, precision: str) -> nn.Module:

@@ -24,13 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from estimate_scenarios import SCENARIOS  # noqa: E402
 from helpers import sharded_model  # noqa: E402
 
-from dtrain.data import IGNORE, build_data, load_tokenizer  # noqa: E402
+from dtrain.data import build_data, load_tokenizer  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.estimate.app import compose  # noqa: E402
 from dtrain.estimate.measure import track_step  # noqa: E402
+from dtrain.loss import IGNORE  # noqa: E402
 from dtrain.model import tokenizer_source  # noqa: E402
 from dtrain.optim import build_optimizer  # noqa: E402
-from dtrain.trainer import micro_step, optimizer_step  # noqa: E402
+from dtrain.step import micro_step, optimizer_step  # noqa: E402
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

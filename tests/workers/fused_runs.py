@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import parity_config  # noqa: E402
 
 from dtrain.config import check_config  # noqa: E402
-from dtrain.data import IGNORE  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.fused_loss import fused_linear_cross_entropy  # noqa: E402
+from dtrain.loss import IGNORE  # noqa: E402
 from dtrain.model import canonical_name, load_model_config  # noqa: E402
 from dtrain.trainer import train  # noqa: E402
 

@@ -33,7 +33,8 @@ from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
 from dtrain.model import canonical_name, load_model_config  # noqa: E402
 from dtrain.parallel import fused  # noqa: E402
 from dtrain.parallel.context import shard_sequence  # noqa: E402
-from dtrain.trainer import summed_loss, train  # noqa: E402
+from dtrain.step import summed_loss  # noqa: E402
+from dtrain.trainer import train  # noqa: E402
 
 EXPORT = {"checkpoint.export_hf": True, "checkpoint.export_dtype": "fp32"}
 PACKED = {"data.packing": True}

@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import parity_config  # noqa: E402
 
 from dtrain.config import ConfigError, TrainConfig, check_config  # noqa: E402
-from dtrain.data import IGNORE, build_data, load_tokenizer, prepare, to_rows  # noqa: E402
+from dtrain.data import build_data, load_tokenizer, prepare, to_rows  # noqa: E402
 from dtrain.data.pipeline import once_per_machine  # noqa: E402
 from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
-from dtrain.loss import loss_context, summed_cross_entropy  # noqa: E402
+from dtrain.loss import IGNORE, loss_context, summed_cross_entropy  # noqa: E402
 from dtrain.model import build_meta_model, load_model_config, materialize  # noqa: E402
 from dtrain.parallel.parallelize import parallelize  # noqa: E402
 

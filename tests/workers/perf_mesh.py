@@ -38,13 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import MAX_LEN, parity_config, sharded_model  # noqa: E402
 
 from dtrain.config import Config, check_config  # noqa: E402
-from dtrain.data import IGNORE  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
-from dtrain.loss import loss_context  # noqa: E402
+from dtrain.loss import (
+    IGNORE,  # noqa: E402
+    loss_context,  # noqa: E402
+)
 from dtrain.model import canonical_name, load_model_config  # noqa: E402
 from dtrain.optim import build_optimizer  # noqa: E402
 from dtrain.reliability import StepGuard  # noqa: E402
-from dtrain.trainer import micro_step, optimizer_step, summed_loss, train  # noqa: E402
+from dtrain.step import micro_step, optimizer_step, summed_loss  # noqa: E402
+from dtrain.trainer import train  # noqa: E402
 
 TOL = 1e-6
 

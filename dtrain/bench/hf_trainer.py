@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from dtrain.bench import LR, MAX_NORM, Result, Setup, flops, hf_model, make_batch, peak_gib
-from dtrain.data import IGNORE
+from dtrain.bench.variants import LR, MAX_NORM, Result, Setup, flops, hf_model, make_batch, peak_gib
 from dtrain.distributed import keep_freed_host_memory
+from dtrain.loss import IGNORE
 
 
 def trainer_worker(setup: Setup, args: argparse.Namespace) -> list[Result]:

@@ -1,23 +1,13 @@
-"""`python -m dtrain.bench`: the same model, data and batch trained by a plain PyTorch +
-transformers loop (the no-overhead baseline), by the Hugging Face Trainer (where `accelerate` is
-installed), by dtrain's step on a 1×1 mesh, and by dtrain on the meshes the machine allows
-(torchrun workers); prints one table: tokens/s (all and supervised), tokens/s per device, MFU
-(CUDA with a known peak), step time, peak memory (CUDA) and each variant's ratio to the plain loop.
-On CPU the figures are CPU figures (gloo) and the table says so.
+"""What `python -m dtrain.bench` runs: the model, the fixed batch, and each variant's step (a plain
+PyTorch + transformers loop, dtrain's step on a mesh), timed in alternating rounds.
 
-dtrain's variants run exactly the trainer's per-step functions (micro_step, optimizer_step) on the
-model parallelize() builds, so hooks, DTensor and loss-parallel overhead are all in the figure.
-bench/gpu_check.py reuses these pieces on a Llama-3.2-1B shape."""
+dtrain's variants run exactly the trainer's per-step functions (dtrain.step: micro_step,
+optimizer_step) on the model build_model() makes, so hooks, DTensor and loss-parallel overhead are
+all in the figure. bench/gpu_check.py reuses these pieces on a Llama-3.2-1B shape."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -37,13 +27,12 @@ from dtrain.config import (
     TrainConfig,
     check_config,
 )
-from dtrain.data import IGNORE
 from dtrain.distributed import build_parallel, init_distributed
-from dtrain.metrics import flops_per_token, peak_flops
-from dtrain.model import build_meta_model, load_model_config, materialize
+from dtrain.loss import IGNORE
+from dtrain.metrics import flops_per_token
+from dtrain.model import build_model, load_model_config
 from dtrain.optim import build_optimizer
-from dtrain.parallel.parallelize import parallelize
-from dtrain.trainer import micro_step, optimizer_step
+from dtrain.step import micro_step, optimizer_step
 
 TINY_MODEL = dict(
     model_type="llama",
@@ -56,7 +45,7 @@ TINY_MODEL = dict(
     max_position_embeddings=512,
 )
 LR, MAX_NORM = 1e-3, 1.0
-TOKENIZER = Path(__file__).parent / "assets" / "tokenizer"  # only checked: the data is random ids
+TOKENIZER = Path(__file__).parents[1] / "assets" / "tiny_llama"  # only checked: the data is random ids
 Step = Callable[[], None]
 
 
@@ -157,7 +146,7 @@ def plain_loop(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device) 
 
 
 def dtrain_step(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device, dp: int, tp: int) -> Step:
-    """dtrain's model (parallelize on the dp×tp mesh of this process group) and its step functions."""
+    """dtrain's model (build_model on the dp×tp mesh of this process group) and its step functions."""
     world = dist.get_world_size()
     config = Config(
         model=ModelConfig(config=dict(setup.model), init="random", tokenizer=str(TOKENIZER)),
@@ -175,10 +164,7 @@ def dtrain_step(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device,
     config.train.precision = setup.precision
     model_config = load_model_config(config.model)
     shape = check_config(config, world, model_config, files=False)
-    model = build_meta_model(model_config, packed=setup.packed)
-    parallel = build_parallel(shape, device)
-    parallelize(model, parallel, config.parallel, config.train.precision)
-    materialize(model, device, config.model, seed=0)
+    model = build_model(model_config, config, build_parallel(shape, device), device)
     optimizer = build_optimizer(model, config.optim)
     params = list(model.parameters())
     tokens = (mb["labels"] != IGNORE).sum().float() * dp  # every dp rank's batch has as many
@@ -273,27 +259,6 @@ def in_process_variants(setup: Setup, device: torch.device, loss_chunk: int) -> 
     }
 
 
-def run_worker(kind: str, args: argparse.Namespace, nproc: int) -> list[dict] | str:
-    """Run `python -m dtrain.bench --worker KIND` (under torchrun for a mesh); its results, or why
-    there are none."""
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "result.json"
-        forwarded = [f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()]
-        forwarded = [a for a in forwarded if not a.startswith(("--worker", "--out", "--meshes", "--hf"))]
-        module = ["-m", "dtrain.bench", "--worker", kind, "--out", str(out), *forwarded]
-        if kind == "trainer":
-            command = [sys.executable, *module]
-        else:
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-            command += [f"--nproc_per_node={nproc}", *module]
-        threads = max(1, (os.cpu_count() or 1) // nproc)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.worker_timeout)
-        if out.exists():
-            return json.loads(out.read_text())
-        return f"failed (exit {result.returncode}): {(result.stderr or result.stdout).strip()[-300:]}"
-
-
 def mesh_worker(kind: str, setup: Setup, args: argparse.Namespace) -> list[Result]:
     """Under torchrun: dtrain on the DPxTP mesh named by `kind`, one micro-batch per dp rank."""
     dp, tp = (int(n) for n in kind.split("x"))
@@ -308,90 +273,3 @@ def mesh_worker(kind: str, setup: Setup, args: argparse.Namespace) -> list[Resul
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             result.peak_gib = peak.item()
     return results
-
-
-def default_meshes(device: torch.device) -> list[str]:
-    """CPU: two gloo processes, dp and tp; CUDA: every GPU, all dp and half tp (when more than one)."""
-    count = torch.cuda.device_count() if device.type == "cuda" else 2
-    if count < 2:
-        return []
-    return [f"{count}x1", f"{count // 2}x2" if device.type == "cuda" else "1x2"]
-
-
-def print_table(results: list[Result | str], device: torch.device, header: str) -> list[dict]:
-    peak = peak_flops(device)
-    kind = "CPU figures (gloo)" if device.type == "cpu" else f"{torch.cuda.get_device_name(device)}"
-    print(f"{kind}; {header}")
-    columns = f"{'variant':<36}{'dev':>4}{'tokens/s':>10}{'sup tok/s':>10}{'tok/s/dev':>10}"
-    print(columns + f"{'MFU':>7}{'step ms':>9}{'peak GiB':>9}{'ratio':>7}")
-    first = next((r for r in results if isinstance(r, Result)), None)
-    rows = []
-    for result in results:
-        if isinstance(result, str):
-            print(result)
-            continue
-        row = result.row(first, peak)
-        rows.append(row)
-        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
-        memory = f"{row['peak_gib']:.2f}" if row["peak_gib"] is not None else "-"
-        print(
-            f"{row['variant']:<36}{row['devices']:>4}{row['tokens_per_s']:>10.0f}"
-            f"{row['supervised_tokens_per_s']:>10.0f}{row['tokens_per_s_per_device']:>10.0f}"
-            f"{mfu:>7}{row['step_ms']:>9.1f}{memory:>9}{row['ratio']:>7.2f}"
-        )
-    return rows
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--batch", type=int, default=4, help="rows per micro-batch (per dp rank)")
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
-    parser.add_argument("--rounds", type=int, default=10, help="variants alternate; the best round counts")
-    parser.add_argument(
-        "--loss-chunk", type=int, default=64, help="chunked and fused variants (1x1, tp > 1 meshes); 0: none"
-    )
-    parser.add_argument("--meshes", default="default", help="comma-separated DPxTP meshes; '' for none")
-    parser.add_argument("--hf-trainer", type=int, default=1, help="1: add the HF Trainer variant")
-    parser.add_argument("--worker-timeout", type=int, default=600)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a mesh (DPxTP) or 'trainer'
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    setup = Setup(batch=args.batch, seq=args.seq)
-    if args.worker:
-        if args.worker == "trainer":
-            from dtrain.bench_trainer import trainer_worker
-
-            results = trainer_worker(setup, args)
-        else:
-            results = mesh_worker(args.worker, setup, args)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            args.out.write_text(json.dumps([asdict(r) for r in results]))
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return
-    device = init_distributed(timeout_s=300)  # one process: an in-memory store, no port to take
-    results: list[Result | str] = list(
-        measure(in_process_variants(setup, device, args.loss_chunk), setup, device, args)
-    )
-    if args.hf_trainer and importlib.util.find_spec("accelerate") is None:
-        results.append("HF Trainer: not run (it needs accelerate, which is not installed)")
-    elif args.hf_trainer:
-        found = run_worker("trainer", args, 1)
-        results += [Result(**r) for r in found] if isinstance(found, list) else [f"HF Trainer: {found}"]
-    meshes = default_meshes(device) if args.meshes == "default" else [m for m in args.meshes.split(",") if m]
-    for mesh in meshes:
-        dp, tp = (int(n) for n in mesh.split("x"))
-        found = run_worker(mesh, args, dp * tp)
-        results += [Result(**r) for r in found] if isinstance(found, list) else [f"dtrain {mesh}: {found}"]
-    header = f"batch {args.batch} x seq {args.seq} per dp rank, {setup.precision}; "
-    print_table(results, device, header + f"best of {args.rounds} rounds of {args.steps} steps")
-
-
-if __name__ == "__main__":
-    main()
