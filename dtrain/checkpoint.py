@@ -9,7 +9,6 @@ leaves at most a partial folder, never a "latest" that cannot load, and the olde
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -27,16 +26,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from dtrain.config import CheckpointConfig, ConfigError
+from dtrain.faults import Faults
 
 log = logging.getLogger("dtrain")
 
 COMPLETE = "complete.json"
 PREFIX = "step-"
-# Fault injection for the tests, set to a step number: CRASH kills the process after that
-# checkpoint's files are written and before it is marked complete (a node failure mid-save);
-# FAIL makes the write raise "No space left on device" (a full disk).
-CRASH_IN_SAVE_ENV = "DTRAIN_TEST_CRASH_IN_SAVE"
-FAIL_SAVE_ENV = "DTRAIN_TEST_FAIL_SAVE"
 
 
 class CheckpointError(RuntimeError):
@@ -194,8 +189,15 @@ class Checkpointer:
     state is staged to CPU memory and written while the next steps run; at most one save is in
     flight, and it is finished (marked complete and renamed) by the next save or by `wait()`."""
 
-    def __init__(self, settings: CheckpointConfig, directory: Path, resolved_config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        settings: CheckpointConfig,
+        directory: Path,
+        resolved_config: dict[str, Any],
+        faults: Faults | None = None,
+    ) -> None:
         self.settings = settings
+        self.faults = faults
         self.directory = directory
         self.resolved_config = resolved_config
         self.is_rank0 = dist.get_rank() == 0
@@ -244,10 +246,8 @@ class Checkpointer:
         with self._failures(save):
             if save.future is not None:
                 save.future.result()
-            if os.environ.get(FAIL_SAVE_ENV) == str(save.progress.step):
-                raise OSError(errno.ENOSPC, "No space left on device (injected)", str(save.partial))
-        if os.environ.get(CRASH_IN_SAVE_ENV) == str(save.progress.step):
-            os.kill(os.getpid(), 9)
+            if self.faults:
+                self.faults.after_save_written(save.progress.step, save.partial)
         dist.barrier()
         if self.is_rank0:
             progress = save.progress

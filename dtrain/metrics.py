@@ -1,13 +1,19 @@
-"""What a logged step reports and how it is measured: throughput, MFU, memory. The record is built
-here from figures already reduced over ranks; dtrain.sinks writes it."""
+"""What a logged step reports and how it is measured: throughput, MFU, memory. `StepMeter` builds
+the record (every rank alike: its figures are reduced over ranks); dtrain.sinks writes it."""
 
 from __future__ import annotations
 
+import contextlib
 import resource
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from dtrain.config import TrainConfig
 
 # Dense bf16 peak FLOP/s per device, by a substring of torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {
@@ -63,3 +69,86 @@ def memory_figures(device: torch.device) -> dict[str, float | None]:
 def count_parameters(model: nn.Module) -> int:
     """Global (unsharded) count; tied weights once."""
     return sum(p.numel() for p in model.parameters())
+
+
+def max_over_ranks(figures: dict[str, float | None], device: torch.device) -> dict[str, float | None]:
+    """The worst rank's value of each figure, in one all_reduce; None (undefined here) stays None."""
+    defined = [key for key, value in figures.items() if value is not None]
+    values = torch.tensor([float(figures[key]) for key in defined], device=device, dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {**figures, **dict(zip(defined, values.tolist(), strict=True))}
+
+
+class StepMeter:
+    """Time, data wait and input tokens since the last logged step, and the record of a logged step.
+    Eval time is not training time; the data wait is the host's wait for batches."""
+
+    def __init__(
+        self,
+        train: TrainConfig,
+        max_len: int,
+        flops: float,
+        peak: float | None,
+        device: torch.device,
+        step: int,
+    ) -> None:
+        self.max_steps, self.log_every = train.max_steps, train.log_every
+        self.slots = train.global_batch_size * max_len  # input token slots per step, pad included
+        self.flops_per_token, self.peak, self.device = flops, peak, device
+        self.world = dist.get_world_size()
+        self._restart(step)
+
+    def _restart(self, step: int) -> None:
+        self.start, self.last_logged, self.data_wait = time.perf_counter(), step, 0.0
+
+    @contextlib.contextmanager
+    def waiting_for_data(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.data_wait += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.start += time.perf_counter() - start
+
+    def record(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        tokens: int,
+        filled: float,
+        skipped: int,
+    ) -> dict[str, Any]:
+        """The metrics.jsonl line of `step` (`tokens`: its supervised tokens, `filled`: its non-pad
+        slots). A collective: every rank calls it (memory figures are the worst rank's)."""
+        elapsed = time.perf_counter() - self.start
+        steps = step - self.last_logged
+        waited = {"data_wait_s": self.data_wait / steps}
+        worst = max_over_ranks({**memory_figures(self.device), **waited}, self.device)
+        input_tokens = self.slots * steps
+        peak = self.peak
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": tokens,
+            "padding_fraction": 1.0 - filled / self.slots,
+            "tokens_per_s": tokens * steps / elapsed,
+            "input_tokens_per_s": input_tokens / elapsed,
+            "input_tokens_per_s_per_device": input_tokens / elapsed / self.world,
+            "step_time_s": elapsed / steps,
+            **worst,
+            "mfu": self.flops_per_token * input_tokens / elapsed / (peak * self.world) if peak else None,
+            "skipped_steps": skipped,
+        }
+        self._restart(step)
+        return record
+
+    def due(self, step: int) -> bool:
+        """Whether `step` is logged: every train.log_every steps, and the last one."""
+        return step % self.log_every == 0 or step == self.max_steps

@@ -228,43 +228,49 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def file_keys(model: nn.Module, files: list[Path], state: dict[str, torch.Tensor]) -> dict[str, str]:
-    """{parameter name: its key in the safetensors files}, by transformers' own renamings of the
-    family's checkpoints (GPT-NeoX's `embed_out` is the model's `lm_head`, a base model's files
-    lack the `model.` prefix, checked against `state`, hf_state_dict's names); keys that need more
-    than a rename are refused, not misread."""
+def tensor_files(folder: str) -> dict[str, Path]:
+    """{tensor key: the safetensors file that holds it}, from the files' headers, read once per load."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model.name_or_path={folder!r}: no *.safetensors files to load")
+    where = {}
+    for file in files:
+        with safe_open(file, "pt") as reader:
+            where |= dict.fromkeys(reader.keys(), file)
+    return where
+
+
+def file_keys(model: nn.Module, where: dict[str, Path], state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{parameter name: its key in the safetensors files (`where`: tensor_files)}, by transformers'
+    own renamings of the family's checkpoints (GPT-NeoX's `embed_out` is the model's `lm_head`, a
+    base model's files lack the `model.` prefix, checked against `state`, hf_state_dict's names);
+    keys that need more than a rename are refused, not misread."""
     transforms = getattr(model, CHECKPOINT_TRANSFORMS)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
     names = {}
-    for file in files:
-        with safe_open(file, "pt") as reader:
-            for key in reader.keys():
-                name, converter = rename_source_key(
-                    key, renamings, converters, model.base_model_prefix, state
-                )
-                if converter is not None:
-                    raise ConfigError(
-                        f"{file}: {key} needs transformers' weight conversion {converter!r} "
-                        f"(model_type={model.config.model_type!r}), which dtrain does not do"
-                    )
-                names[name] = key
+    for key, file in where.items():
+        name, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+        if converter is not None:
+            raise ConfigError(
+                f"{file}: {key} needs transformers' weight conversion {converter!r} "
+                f"(model_type={model.config.model_type!r}), which dtrain does not do"
+            )
+        names[name] = key
     return names
 
 
 def load_hf_weights(model: nn.Module, folder: str) -> None:
     """Each rank reads only its slices of the safetensors files (DCP's HF reader does the planning)."""
-    files = list(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model.name_or_path={folder!r}: no *.safetensors files to load")
+    where = tensor_files(folder)
     state = hf_state_dict(model)
-    keys = file_keys(model, files, state)
+    keys = file_keys(model, where, state)
     state = {keys.get(name, name): tensor for name, tensor in state.items()}
     # Padded vocabulary matrices have more rows than the files: read by hand, the rest by DCP.
     padded = {name: state.pop(name) for name in vocab.padded_params(model) if name in state}
-    fused.load_parts(model, state, files)  # split fused projections: their rows of HF's tensors
+    fused.load_parts(model, state, where)  # split fused projections: their rows of HF's tensors
     dcp.load(state, storage_reader=HuggingFaceStorageReader(folder))
-    vocab.load_padded_rows(padded, files, model.config.vocab_size)
+    vocab.load_padded_rows(padded, where, model.config.vocab_size)
 
 
 def local_slices(param: torch.Tensor) -> tuple[slice, ...]:

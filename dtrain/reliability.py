@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
-import time
 from collections.abc import Callable
 from types import FrameType
 from typing import TypeVar
@@ -20,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtrain.config import TrainConfig
+from dtrain.faults import Faults
 
 log = logging.getLogger("dtrain")
 T = TypeVar("T")
@@ -27,13 +26,6 @@ T = TypeVar("T")
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the job saved its state and wants to be requeued
 EXIT_NONFINITE = 3
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 before its timeout
-# Fault injection for the tests (step numbers, 1-based): a NaN loss, or this rank SIGKILLed
-# (only before any restart, so a restarted job can finish).
-NAN_AT_STEP_ENV = "DTRAIN_TEST_NAN_AT_STEP"
-KILL_AT_STEP_ENV = "DTRAIN_TEST_KILL_AT_STEP"
-FAIL_FETCH_AT_STEP_ENV = "DTRAIN_TEST_FAIL_FETCH_AT_STEP"  # a bad batch on one rank
-FAULT_RANK_ENV = "DTRAIN_TEST_FAULT_RANK"  # the rank these two apply to (default 1)
-STEP_SLEEP_ENV = "DTRAIN_TEST_STEP_SLEEP_S"  # slow steps down, so a test's signal lands mid-run
 
 
 class Preempted(Exception):
@@ -58,8 +50,9 @@ class StepGuard:
     gloo group of its own: on an NCCL group, reading the result would make the host wait for the
     device to finish the previous step, and the next step could not be queued behind it."""
 
-    def __init__(self, settings: TrainConfig) -> None:
+    def __init__(self, settings: TrainConfig, faults: Faults | None = None) -> None:
         self.settings = settings
+        self.faults = faults
         self.group = dist.new_group(backend="gloo")
         self.consecutive_skips = 0
         self.skipped = 0
@@ -82,12 +75,10 @@ class StepGuard:
         raises RankFailure with the lowest failing rank's message, instead of the others waiting
         for it in the step's first collective. A signal seen here sets `preempted` on every rank:
         the step whose batch was just taken runs, then the state is saved."""
-        _maybe_kill(step + 1)
-        time.sleep(float(os.environ.get(STEP_SLEEP_ENV, "0")))
         result, error = None, None
         try:
-            if _injected(FAIL_FETCH_AT_STEP_ENV, step + 1):
-                raise ValueError("injected bad batch")
+            if self.faults:
+                self.faults.before_fetch(step + 1)
             result = fetch()
         except Exception as caught:  # anything: the point is that no rank is left waiting
             error = f"rank {dist.get_rank()}: {type(caught).__name__}: {caught}"
@@ -99,14 +90,6 @@ class StepGuard:
             dist.all_gather_object(messages, error, group=self.group)
             raise RankFailure(f"step {step + 1}: {next(m for m in messages if m)}")
         return result
-
-    def poison(self, step: int, model: nn.Module) -> None:
-        """The tests' poisoned batch: a NaN in the last parameter's gradient on every rank."""
-        if os.environ.get(NAN_AT_STEP_ENV) == str(step):
-            last = list(model.parameters())[-1]
-            if last.grad is not None:
-                grad = last.grad.to_local() if isinstance(last.grad, DTensor) else last.grad
-                grad.view(-1)[0] = math.nan
 
     def should_skip(self, step: int, grad_norm: torch.Tensor, model: nn.Module) -> bool:
         """True when this step's gradients are not finite and the step must not be applied.
@@ -143,16 +126,3 @@ def first_nonfinite_gradient(model: nn.Module) -> str:
         if not torch.isfinite(local).all():
             return name
     return "none on this rank (the loss itself)"
-
-
-def _injected(variable: str, step: int) -> bool:
-    return (
-        os.environ.get(variable) == str(step)
-        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        and str(dist.get_rank()) == os.environ.get(FAULT_RANK_ENV, "1")
-    )
-
-
-def _maybe_kill(step: int) -> None:
-    if _injected(KILL_AT_STEP_ENV, step):
-        os.kill(os.getpid(), signal.SIGKILL)

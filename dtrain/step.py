@@ -114,3 +114,15 @@ def local_micro_batch(micro_batch: dict[str, torch.Tensor], parallel: Parallel) 
     parallel its tokens of every row (parallel/context.py)."""
     on_device = {key: value.to(parallel.device, non_blocking=True) for key, value in micro_batch.items()}
     return shard_sequence(on_device, parallel["cp"])
+
+
+def global_counts(
+    micro_batches: list[dict[str, Any]], parallel: Parallel
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's supervised tokens (the loss is a token mean over them) and non-pad slots (for the
+    padding fraction), counted over every micro-batch of every dp and cp rank."""
+    counts = sum(
+        torch.stack([(mb["labels"] != IGNORE).sum(), mb["num_tokens"].sum()]) for mb in micro_batches
+    ).float()
+    dist.all_reduce(counts, group=parallel.token_group)
+    return counts[0], counts[1]

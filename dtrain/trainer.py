@@ -1,31 +1,32 @@
-"""The training run: mesh → model → optimizer → data → loop. One page, top to bottom."""
+"""The training run: `start_run` builds it (mesh → model → optimizer → data → checkpoint → sinks),
+`train` is the loop. One page, top to bottom; the step itself is dtrain/step.py."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from transformers import PreTrainedTokenizerBase
 
 from dtrain.checkpoint import Checkpointer, Progress, checkpoint_dir, load
 from dtrain.config import Config, MeshShape
-from dtrain.data import build_data, load_tokenizer
+from dtrain.data import SFTData, build_data, load_tokenizer
 from dtrain.distributed import Parallel, build_parallel
 from dtrain.export import export_hf
-from dtrain.loss import IGNORE
-from dtrain.metrics import count_parameters, flops_per_token, memory_figures, peak_flops
+from dtrain.faults import Faults
+from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_flops
 from dtrain.model import build_model, has_weights, tokenizer_source
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
 from dtrain.reliability import Preempted, StepGuard
-from dtrain.sinks import open_sinks
-from dtrain.step import evaluate, local_micro_batch, micro_step, optimizer_step
+from dtrain.sinks import Sink, open_sinks
+from dtrain.step import evaluate, global_counts, local_micro_batch, micro_step, optimizer_step
 
 log = logging.getLogger("dtrain")
 
@@ -35,6 +36,91 @@ class RunResult:
     history: list[dict[str, Any]]  # the logged records, on every rank
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    parallel: Parallel  # the mesh the model lives on
+
+
+@dataclass
+class Run:
+    """Everything one training run holds, built by start_run."""
+
+    parallel: Parallel
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    tokenizer: PreTrainedTokenizerBase
+    data: SFTData  # data.train: where the global stream stands (state_dict / load_state_dict)
+    progress: Progress  # where the run starts: 0, or the checkpoint's step
+    checkpointer: Checkpointer
+    guard: StepGuard
+    faults: Faults | None  # the tests' fault injection; None in a normal run
+    meter: StepMeter
+    sinks: list[Sink]  # rank 0's; none on the other ranks
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def emit(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        for sink in self.sinks:
+            sink.write(record)
+
+    def save(self, step: int, tokens_seen: torch.Tensor) -> None:
+        progress = Progress(step, int(tokens_seen.item()))
+        self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.data.train, progress)
+
+    def close(self) -> None:
+        self.guard.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+def start_run(
+    config: Config,
+    shape: MeshShape,
+    model_config: Any,
+    device: torch.device,
+    run_dir: Path,
+    resolved: dict[str, Any],
+    resume_from: Path | None = None,
+) -> Run:
+    """Build the run (from `resume_from`, a checkpoint folder, if given) and say what it is."""
+    parallel = build_parallel(shape, device)
+    torch.manual_seed(config.train.seed)
+    vocab_rows = padded_vocab_size(model_config.vocab_size, shape.tp, saved_vocab_rows(resume_from))
+    model = build_model(model_config, config, parallel, device, vocab_rows)
+    model.train()
+    optimizer = build_optimizer(model, config.optim)
+    scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
+    tokenizer_folder = tokenizer_source(config.model)
+    tokenizer = load_tokenizer(tokenizer_folder)
+    data = build_data(config.data, config.train, tokenizer, parallel.dp_rank, parallel.dp_size)
+    progress = load(resume_from, model, optimizer, scheduler, data.train) if resume_from else Progress()
+    faults = Faults.from_env()
+    checkpointer = Checkpointer(
+        config.checkpoint, checkpoint_dir(config.checkpoint, run_dir), resolved, faults
+    )
+
+    num_params = count_parameters(model)
+    flops = flops_per_token(model_config, num_params, config.data.max_len)
+    meter = StepMeter(config.train, config.data.max_len, flops, peak_flops(device), device, progress.step)
+    shard_sizes = gather_shard_sizes(model)  # a collective: every rank, before rank 0 logs
+    sinks = []
+    if dist.get_rank() == 0:
+        sinks = open_sinks(config, resolved, run_dir, progress.step)
+        log_summary(model, parallel, config, num_params, shard_sizes, data.num_examples, tokenizer_folder)
+    guard = StepGuard(config.train, faults)
+    return Run(
+        parallel=parallel,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        tokenizer=tokenizer,
+        data=data,
+        progress=progress,
+        checkpointer=checkpointer,
+        guard=guard,
+        faults=faults,
+        meter=meter,
+        sinks=sinks,
+    )
 
 
 def train(
@@ -48,148 +134,54 @@ def train(
 ) -> RunResult:
     """Train (from `resume_from`, a checkpoint folder, if given); rank 0 also writes the logged
     records to the sinks."""
-    is_rank0 = dist.get_rank() == 0
-    parallel = build_parallel(shape, device)
-    torch.manual_seed(config.train.seed)
-
-    vocab_rows = padded_vocab_size(model_config.vocab_size, shape.tp, saved_vocab_rows(resume_from))
-    model = build_model(model_config, config, parallel, device, vocab_rows)
-    model.train()
+    run = start_run(config, shape, model_config, device, run_dir, resolved, resume_from)
+    model, parallel, meter, guard = run.model, run.parallel, run.meter, run.guard
+    settings = config.train
+    loss = config.parallel.loss_parallel, config.parallel.loss_impl, config.parallel.loss_chunk
     params = list(model.parameters())
-    optimizer = build_optimizer(model, config.optim)
-    scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
-
-    tokenizer_folder = tokenizer_source(config.model)
-    tokenizer = load_tokenizer(tokenizer_folder)
-    data = build_data(config.data, config.train, tokenizer, parallel.dp_rank, parallel.dp_size)
-    batches = data.train  # state_dict() / load_state_dict(): where the global stream stands
-
-    progress = load(resume_from, model, optimizer, scheduler, batches) if resume_from else Progress()
-    checkpointer = Checkpointer(config.checkpoint, checkpoint_dir(config.checkpoint, run_dir), resolved)
-
-    num_params = count_parameters(model)
-    flops = flops_per_token(model_config, num_params, config.data.max_len)
-    peak = peak_flops(device)
-    shard_sizes = gather_shard_sizes(model)  # a collective: every rank, before rank 0 logs
-    sinks = open_sinks(config, resolved, run_dir, progress.step) if is_rank0 else []
-    if is_rank0:
-        log_summary(model, parallel, config, num_params, shard_sizes, data.num_examples, tokenizer_folder)
-
-    history: list[dict[str, Any]] = []
-    token_group = parallel.token_group
-    interval_start, interval_tokens, last_logged = time.perf_counter(), 0, progress.step
-    data_wait = 0.0  # host seconds spent waiting for batches in this log interval
-    tokens_seen = torch.tensor(float(progress.tokens_seen), device=device)
-    guard = StepGuard(config.train)
+    tokens_seen = torch.tensor(float(run.progress.tokens_seen), device=device)
     try:
-        for step in range(progress.step, config.train.max_steps):
+        for step in range(run.progress.step, settings.max_steps):
             if guard.preempted:  # a rank got SIGTERM/SIGUSR1 before the last step: save, stop
-                if not checkpointer.due(step, config.train.max_steps):  # else saved just now
-                    progress = Progress(step, int(tokens_seen.item()))
-                    checkpointer.save(model, optimizer, scheduler, batches, progress)
-                checkpointer.wait()
+                if not run.checkpointer.due(step, settings.max_steps):  # else saved just now
+                    run.save(step, tokens_seen)
+                run.checkpointer.wait()
                 raise Preempted(step)
-            wait_start = time.perf_counter()
-            host_batches = guard.agreed(step, batches.next_step)
-            micro_batches = [local_micro_batch(mb, parallel) for mb in host_batches]
-            data_wait += time.perf_counter() - wait_start
-            # The loss is a token mean over the whole global batch: count its targets on every dp and
-            # cp rank (and its non-pad slots, for the padding fraction).
-            counts = sum(
-                torch.stack([(mb["labels"] != IGNORE).sum(), mb["num_tokens"].sum()]) for mb in micro_batches
-            ).float()
-            dist.all_reduce(counts, group=token_group)
-            tokens, filled = counts[0], counts[1]
+            with meter.waiting_for_data():
+                host_batches = guard.agreed(step, run.data.train.next_step)
+                micro_batches = [local_micro_batch(mb, parallel) for mb in host_batches]
+            tokens, filled = global_counts(micro_batches, parallel)  # the loss is a token mean over them
             loss_sum = torch.zeros((), device=device)
             for mb in micro_batches:
-                loss_sum += micro_step(
-                    model,
-                    mb,
-                    tokens,
-                    config.parallel.loss_parallel,
-                    config.parallel.loss_impl,
-                    config.parallel.loss_chunk,
-                )
-            guard.poison(step + 1, model)
-            lr = scheduler.get_last_lr()[0]
-            grad_norm, skipped = optimizer_step(
-                optimizer,
-                params,
-                config.optim.max_grad_norm,
-                functools.partial(guard.should_skip, step + 1, model=model),
-            )
+                loss_sum += micro_step(model, mb, tokens, *loss)
+            if run.faults:
+                run.faults.poison(step + 1, model)
+            lr = run.scheduler.get_last_lr()[0]
+            should_skip = functools.partial(guard.should_skip, step + 1, model=model)
+            max_norm = config.optim.max_grad_norm
+            grad_norm, skipped = optimizer_step(run.optimizer, params, max_norm, should_skip)
             if not skipped:  # never an optimizer step on non-finite gradients
-                scheduler.step()
+                run.scheduler.step()
                 tokens_seen += tokens
 
-            interval_tokens += config.train.global_batch_size * config.data.max_len
             done = step + 1
-            if checkpointer.due(done, config.train.max_steps):
-                progress = Progress(step=done, tokens_seen=int(tokens_seen.item()))
-                checkpointer.save(model, optimizer, scheduler, batches, progress)
-            if config.train.eval_every and done % config.train.eval_every == 0:
-                eval_start = time.perf_counter()
-                record = {
-                    "step": done,
-                    **evaluate(
-                        model,
-                        data.eval,
-                        parallel,
-                        config.parallel.loss_parallel,
-                        config.parallel.loss_impl,
-                        config.parallel.loss_chunk,
-                    ),
-                }
-                history.append(record)
-                for sink in sinks:
-                    sink.write(record)
-                interval_start += time.perf_counter() - eval_start  # eval time is not training time
-            if done % config.train.log_every and done != config.train.max_steps:
-                continue
-            dist.all_reduce(loss_sum, group=token_group)
-            elapsed = time.perf_counter() - interval_start
-            steps_in_interval = done - last_logged
-            waited = {"data_wait_s": data_wait / steps_in_interval}
-            worst = max_over_ranks({**memory_figures(device), **waited}, device)
-            supervised = int(tokens.item())
-            world = dist.get_world_size()
-            record = {
-                "step": done,
-                "loss": (loss_sum / tokens).item(),
-                "grad_norm": grad_norm.item(),
-                "lr": lr,
-                "tokens": supervised,
-                "padding_fraction": 1.0
-                - filled.item() / (config.train.global_batch_size * config.data.max_len),
-                "tokens_per_s": supervised * steps_in_interval / elapsed,
-                "input_tokens_per_s": interval_tokens / elapsed,
-                "input_tokens_per_s_per_device": interval_tokens / elapsed / world,
-                "step_time_s": elapsed / steps_in_interval,
-                **worst,
-                "mfu": flops * interval_tokens / elapsed / (peak * world) if peak else None,
-                "skipped_steps": guard.skipped,
-            }
-            history.append(record)
-            for sink in sinks:
-                sink.write(record)
-            interval_start, interval_tokens, last_logged, data_wait = time.perf_counter(), 0, done, 0.0
+            if run.checkpointer.due(done, settings.max_steps):
+                run.save(done, tokens_seen)
+            if settings.eval_every and done % settings.eval_every == 0:
+                with meter.paused():  # eval time is not training time
+                    eval_loss = evaluate(model, run.data.eval, parallel, *loss)
+                run.emit({"step": done, **eval_loss})
+            if meter.due(done):
+                dist.all_reduce(loss_sum, group=parallel.token_group)
+                figures = (loss_sum / tokens).item(), grad_norm.item(), lr, int(tokens.item()), filled.item()
+                run.emit(meter.record(done, *figures, guard.skipped))
 
-        checkpointer.wait()
+        run.checkpointer.wait()
         if config.checkpoint.export_hf:
-            export_hf(model, tokenizer, run_dir / "hf", config.checkpoint.export_dtype)
+            export_hf(model, run.tokenizer, run_dir / "hf", config.checkpoint.export_dtype)
     finally:  # also when the run fails: a sweep goes on in this process with the next job
-        guard.close()
-        for sink in sinks:
-            sink.close()
-    return RunResult(history, model, optimizer)
-
-
-def max_over_ranks(figures: dict[str, float | None], device: torch.device) -> dict[str, float | None]:
-    """The worst rank's value of each figure, in one all_reduce; None (undefined here) stays None."""
-    defined = [key for key, value in figures.items() if value is not None]
-    values = torch.tensor([float(figures[key]) for key in defined], device=device, dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return {**figures, **dict(zip(defined, values.tolist(), strict=True))}
+        run.close()
+    return RunResult(run.history, model, run.optimizer, parallel)
 
 
 def gather_shard_sizes(model: torch.nn.Module) -> list[int]:

@@ -49,18 +49,15 @@ def _local_slices(param: torch.Tensor, shape: torch.Size | None = None) -> tuple
 
 
 @torch.no_grad()
-def load_parts(model: nn.Module, state: dict[str, torch.Tensor], files: list[Path]) -> None:
+def load_parts(model: nn.Module, state: dict[str, torch.Tensor], where: dict[str, Path]) -> None:
     """Fill each rank's shard of the split parts (popped from `state`) from its rows of the fused
-    HF tensors: only this rank's rows are read."""
+    HF tensors (`where`: each tensor's file): only this rank's rows are read."""
     parts = getattr(model, FUSED_ATTR, {})
-    where = {}
-    for file in files:
-        with safe_open(file, "pt") as reader:
-            where |= dict.fromkeys(reader.keys(), file)
     for name, (fused, first) in parts.items():
         param = state.pop(name)
         if fused not in where:
-            raise ConfigError(f"{files[0].parent}: no tensor {fused!r} in the safetensors files")
+            folder = next(iter(where.values())).parent
+            raise ConfigError(f"{folder}: no tensor {fused!r} in the safetensors files")
         rows, columns = _local_slices(param)
         with safe_open(where[fused], "pt") as reader:
             block = reader.get_slice(fused)[first + rows.start : first + rows.stop, columns]

@@ -128,17 +128,14 @@ def _local_rows(param: torch.Tensor) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def load_padded_rows(params: dict[str, torch.Tensor], files: list[Path], vocab_size: int) -> None:
-    """Fill each rank's shard of the padded matrices from HF safetensors (`vocab_size` rows there):
-    only this rank's rows are read; padded rows become zeros."""
-    where = {}
-    for file in files:
-        with safe_open(file, "pt") as reader:
-            where |= dict.fromkeys(reader.keys(), file)
+def load_padded_rows(params: dict[str, torch.Tensor], where: dict[str, Path], vocab_size: int) -> None:
+    """Fill each rank's shard of the padded matrices from HF safetensors (`where`: each tensor's file;
+    `vocab_size` rows there): only this rank's rows are read; padded rows become zeros."""
     for name, param in params.items():
         file = where.get(name)
         if file is None:
-            raise ConfigError(f"{files[0].parent}: no tensor {name!r} in the safetensors files")
+            folder = next(iter(where.values())).parent
+            raise ConfigError(f"{folder}: no tensor {name!r} in the safetensors files")
         local = param.to_local() if isinstance(param, DTensor) else param
         start, stop = _local_rows(param)
         local.zero_()
