@@ -16,10 +16,10 @@ import torch
 from helpers import DATASET, TOKENIZER, parity_config, read_metrics, run, torchrun
 from transformers import AutoTokenizer
 
-from dtrain.config import ConfigError, DataConfig, MixSource, check_config
+from dtrain.config import ConfigError, DataConfig, check_config
 from dtrain.data import SFTLoader, eval_micro_batches, prepare, to_rows
 from dtrain.data.formats import EMPTY, NO_TARGET, OK, OVERLONG, TRUNCATED, tokenize_example
-from dtrain.data.sources import load_split, sources
+from dtrain.data.sources import load_split
 from dtrain.model import load_model_config
 
 TEMPLATE = (TOKENIZER / "chat_template.jinja").read_text()
@@ -64,7 +64,7 @@ def independent_rendering(tokenizer, messages) -> tuple[list[int], list[int]]:
 
 
 def tokenize(tokenizer, record: dict, max_len: int = 1000, overlong: str = "truncate", **data) -> dict:
-    (source,) = sources(DataConfig(path="unused.jsonl", **data))
+    (source,) = DataConfig(path="unused.jsonl", **data).sources()
     return tokenize_example(record, 0, tokenizer=tokenizer, source=source, max_len=max_len, overlong=overlong)
 
 
@@ -116,8 +116,18 @@ def test_text_is_supervised_everywhere_and_lengths_are_handled():
         ({"data.format": "chat"}, "data.format='chat': must be one of"),
         ({"train.eval_every": 5}, "train.eval_every=5 needs an eval set"),
         ({"data.eval_fraction": 1.0}, "data.eval_fraction=1.0: must be in [0, 1)"),
-        ({"data.mix": [MixSource(path="/no/such.jsonl")]}, "data.mix[0].path='/no/such.jsonl': no such file"),
-        ({"data.mix": [MixSource(path=str(DATASET), weight=0)]}, "data.mix[0].weight=0: must be > 0"),
+        ({"data.mix": [{"path": "/no/such.jsonl"}]}, "data.mix[0].path='/no/such.jsonl': no such file"),
+        ({"data.mix": [{"path": str(DATASET), "weight": 0}]}, "data.mix[0].weight=0.0: must be > 0"),
+        (
+            {"data.mix": [{"path": str(DATASET), "format": "chat"}]},
+            "data.mix[0].format='chat': must be one of",
+        ),
+        ({"data.mix": [{"path": str(DATASET), "input_kye": "q"}]}, "data.mix[0].input_kye: unknown key"),
+        (
+            {"data.mix": [{"path": str(DATASET), "max_samples": "ten"}]},
+            "data.mix[0].max_samples: Value 'ten'",
+        ),
+        ({"data.mix": [{"weight": 2}]}, "data.mix[0].path: missing"),
     ],
 )
 def test_bad_data_config_is_refused_before_launch(changes, message):
@@ -156,7 +166,7 @@ def test_local_sources_of_every_kind(tmp_path, kind):
             writer.write_table(table.data.table)
     else:
         table.save_to_disk(path)
-    (source,) = sources(DataConfig(path=str(path), max_samples=10))
+    (source,) = DataConfig(path=str(path), max_samples=10).sources()
     loaded = load_split(source, "train")
     assert loaded["prompt"] == [r["prompt"] for r in RECORDS[:10]]
 
@@ -165,8 +175,8 @@ def test_mix_weights_eval_split_and_eval_fraction(tmp_path):
     first = write_jsonl(tmp_path / "a.jsonl", RECORDS[:12])
     second = write_jsonl(tmp_path / "b.jsonl", [{"q": "reverse: ab", "a": "ba"}] * 4)
     mix = [
-        MixSource(path=first, weight=1.0),
-        MixSource(path=second, weight=3.0, input_key="q", output_key="a"),
+        {"path": first, "weight": 1.0},
+        {"path": second, "weight": 3.0, "input_key": "q", "output_key": "a"},
     ]
     tokenizer = tokenizer_with(TEMPLATE)
     examples, held_out = prepare(DataConfig(path="unused", mix=mix, eval_fraction=0.25), tokenizer, seed=0)
@@ -310,6 +320,24 @@ def test_bad_input_fails_through_the_cli_with_its_message(tmp_path, case, nproc)
     for word in words:
         assert word in output, output[-3000:]
     assert not re.search(r'File "[^"]*/dtrain/[^"]*", line', output), output[-3000:]
+
+
+@pytest.mark.parametrize(
+    "entry,message",
+    [
+        ("input_kye: q", "data.mix[0].input_kye: unknown key; an entry takes path, split,"),
+        ("weight: heavy", "data.mix[0].weight: Value 'heavy' of type 'str' could not be converted to Float"),
+    ],
+    ids=["unknown key", "wrong type"],
+)
+def test_a_bad_mix_entry_fails_through_the_cli_naming_its_key(tmp_path, entry, message):
+    """data.mix entries are checked with the rest of the config, before any process group: exit 2
+    and one line naming data.mix[i].KEY (OmegaConf's own multi-line report does not reach the user)."""
+    returncode, output = cli(tmp_path, None, [f"data.mix=[{{path: {DATASET}, {entry}}}]"])
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert returncode == 2 and len(errors) == 1, output[-3000:]
+    assert errors[0].startswith(f"dtrain: error: {message}"), output[-3000:]
+    assert "full_key" not in output and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_empty_and_truncated_responses_are_dropped_counted_and_packed_training_evaluates(tmp_path):

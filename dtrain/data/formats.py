@@ -14,8 +14,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from dtrain.config import ConfigError
-from dtrain.data.sources import Source
+from dtrain.config import ConfigError, Source
 
 ROLES = ("system", "user", "assistant")
 # Why an example is kept or dropped (a column of the tokenized dataset, counted and logged).
@@ -46,7 +45,7 @@ def has_generation_markers(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 def conversation(record: dict[str, Any], source: Source, index: int) -> list[dict[str, str]] | None:
     """The record as chat messages; None when it has no response to learn."""
-    where = f"{source.key}={source.path!r} example {index}"
+    where = f"{source.where} example {index}"
     if source.format == "messages":
         messages = record[source.messages_key]
         if not isinstance(messages, list):
@@ -146,16 +145,14 @@ def tokenize_example(
     if source.format == "text":
         text = record[source.text_key]
         if text is None:
-            raise ConfigError(
-                f"{source.key}={source.path!r} example {index}: key {source.text_key!r} is null"
-            )
+            raise ConfigError(f"{source.where} example {index}: key {source.text_key!r} is null")
         if str(text).strip():
             ids = text_ids(tokenizer, str(text))
             mask = [1] * len(ids)
     else:
         messages = conversation(record, source, index)
         if messages is not None:
-            where = f"{source.key}={source.path!r} example {index}"
+            where = f"{source.where} example {index}"
             try:
                 ids, mask = render(tokenizer, messages, where)
             except ConfigError:
