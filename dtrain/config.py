@@ -23,7 +23,6 @@ SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 WANDB_MODES = ("online", "offline", "disabled")
 ESTIMATE_FORMATS = ("table", "json")
 EXPORT_DTYPES = ("bf16", "fp32")
-DATA_FORMATS = ("prompt_response", "messages", "text")
 OVERLONG = ("truncate", "drop")
 LOSS_IMPLS = ("dense", "chunked", "fused")
 MODEL_INITS = ("auto", "pretrained", "random")
@@ -57,7 +56,7 @@ class SourceConfig:
     path: str = "???"
     split: str = "train"
     max_samples: int | None = None  # the first N examples of the split
-    format: str = "prompt_response"  # prompt_response | messages | text
+    format: str = "prompt_response"  # prompt_response | messages | text (dtrain.data.formats.FORMATS)
     input_key: str = "prompt"
     output_key: str = "response"
     system_key: str | None = None
@@ -87,14 +86,6 @@ class Source(MixSource):
     def where(self) -> str:
         """How errors name it: `data.path='...'` or `data.mix[i].path='...'`."""
         return f"{self.key('path')}={self.path!r}"
-
-    def columns(self) -> list[str]:
-        """The columns this format reads."""
-        if self.format == "messages":
-            return [self.messages_key]
-        if self.format == "text":
-            return [self.text_key]
-        return [self.input_key, self.output_key] + ([self.system_key] if self.system_key else [])
 
 
 @dataclass
@@ -317,7 +308,7 @@ def check_data(data: DataConfig, train: TrainConfig, *, files: bool = True) -> N
     _positive("data.num_proc", data.num_proc)
     if data.num_workers < 0:
         raise ConfigError(f"data.num_workers={data.num_workers}: must be >= 0")
-    _one_of("data.format", data.format, DATA_FORMATS)
+    check_format("data.format", data.format)
     if data.max_samples is not None:
         _positive("data.max_samples", data.max_samples)
     if data.mix:
@@ -326,7 +317,7 @@ def check_data(data: DataConfig, train: TrainConfig, *, files: bool = True) -> N
                 _check_source_path(source.key("path"), source.path)
             if not source.weight > 0:
                 raise ConfigError(f"{source.key('weight')}={source.weight}: must be > 0")
-            _one_of(source.key("format"), source.format, DATA_FORMATS)
+            check_format(source.key("format"), source.format)
             if source.max_samples is not None:
                 _positive(source.key("max_samples"), source.max_samples)
     elif files:
@@ -421,6 +412,12 @@ def check_sequence_split(max_len: int, shape: MeshShape, sequence_parallel: bool
         parts.append(f"parallel.tp={shape.tp} (sequence parallel; or set parallel.sequence_parallel=false)")
     total = f" = {split}" if len(parts) > 1 else ""
     raise ConfigError(f"data.max_len={max_len} is not divisible by {' × '.join(parts)}{total}")
+
+
+def check_format(key: str, name: str) -> None:
+    from dtrain.data.formats import FORMATS  # imported here: the data package imports this module
+
+    _one_of(key, name, tuple(FORMATS))
 
 
 def check_tp_support(model_type: str, tp: int) -> None:

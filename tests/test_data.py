@@ -18,7 +18,17 @@ from transformers import AutoTokenizer
 
 from dtrain.config import ConfigError, DataConfig, check_config
 from dtrain.data import SFTLoader, eval_micro_batches, prepare, to_rows
-from dtrain.data.formats import EMPTY, NO_TARGET, OK, OVERLONG, TRUNCATED, tokenize_example
+from dtrain.data.formats import (
+    EMPTY,
+    FORMATS,
+    NO_TARGET,
+    OK,
+    OVERLONG,
+    TRUNCATED,
+    Format,
+    text_ids,
+    tokenize_example,
+)
 from dtrain.data.sources import load_split
 from dtrain.model import load_model_config
 
@@ -190,6 +200,46 @@ def test_mix_weights_eval_split_and_eval_fraction(tmp_path):
     write_jsonl(folder / "test.jsonl", RECORDS[20:])
     examples, held_out = prepare(DataConfig(path=str(folder), eval_split="test"), tokenizer, seed=0)
     assert (len(examples), len(held_out)) == (20, 4)
+
+
+class Shout(Format):
+    """A format of the test's own: the text column upper-cased, loss on its second half only."""
+
+    name = "shout"
+    keys = ("text_key",)
+
+    def tokenize(self, record, source, tokenizer, where):
+        ids = text_ids(tokenizer, str(record[source.text_key]).upper())
+        half = len(ids) // 2
+        return ids, [0] * half + [1] * (len(ids) - half)
+
+
+def test_a_format_added_to_the_registry_is_checked_and_tokenized_through_the_pipeline(tmp_path, monkeypatch):
+    """The extension point: one Format object in FORMATS, and data.format / data.mix[i].format take it."""
+    config = parity_config(None, dp=1, tp=1)
+    model_config = load_model_config(config.model)
+    config.data = DataConfig(path=write_jsonl(tmp_path / "s.jsonl", RECORDS[:4]), format="shout", max_len=32)
+    with pytest.raises(ConfigError, match="data.format='shout': must be one of"):
+        check_config(config, 1, model_config)
+    monkeypatch.setitem(FORMATS, "shout", Shout())  # removed again after the test
+
+    check_config(config, 1, model_config)
+    tokenizer = tokenizer_with(TEMPLATE)
+    with pytest.raises(ConfigError, match=r"missing key 'text' \(data.text_key, data.format=shout\)"):
+        prepare(config.data, tokenizer, seed=0)
+
+    config.data.path = write_jsonl(tmp_path / "t.jsonl", [{"text": f"doc {i}"} for i in range(4)])
+    examples, _ = prepare(config.data, tokenizer, seed=0)
+    for i, (ids, mask) in enumerate(zip(examples["input_ids"], examples["mask"], strict=True)):
+        assert ids == text_ids(tokenizer, f"DOC {i}")
+        assert mask == [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)
+    labels = to_rows(examples, config.data, tokenizer)[0]["labels"].tolist()
+    length = len(examples["input_ids"][0])
+    assert [t for t, label in enumerate(labels) if label != -100] == list(range(length // 2 - 1, length - 1))
+
+    config.data.mix = [{"path": config.data.path}, {"path": config.data.path, "format": "text", "weight": 3}]
+    check_config(config, 1, model_config)
+    assert [source.format for source in config.data.sources()] == ["shout", "text"]
 
 
 def test_tokenizing_in_two_processes_gives_the_same_examples_and_errors(tmp_path):

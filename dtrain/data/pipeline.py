@@ -26,7 +26,8 @@ from dtrain.data.sources import load_split
 
 log = logging.getLogger("dtrain")
 
-# Bump when tokenize_example changes what it writes, so old cache files are not reused.
+# Bump when tokenize_example or a format (formats.FORMATS) changes what it writes, so old cache
+# files are not reused.
 TOKENIZE_VERSION = 1
 FEATURES = datasets.Features(
     {

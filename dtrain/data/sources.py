@@ -11,6 +11,7 @@ from pathlib import Path
 import datasets
 
 from dtrain.config import ConfigError, Source
+from dtrain.data.formats import FORMATS
 
 # datasets' packaged builder for each local file suffix.
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -30,11 +31,11 @@ def load_split(source: Source, split: str) -> datasets.Dataset:
         dataset = dataset.select(range(min(source.max_samples, len(dataset))))
     if len(dataset) == 0:
         raise ConfigError(f"{where} split {split!r}: the dataset is empty")
-    for column in source.columns():
+    for key, column in FORMATS[source.format].columns(source).items():
         if column not in dataset.column_names:
             raise ConfigError(
-                f"{where}: missing key {column!r} (data.format={source.format}); "
-                f"the dataset has columns {dataset.column_names}"
+                f"{where}: missing key {column!r} ({source.key(key)}, {source.key('format')}="
+                f"{source.format}); the dataset has columns {dataset.column_names}"
             )
     return dataset
 
