@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 SWEEP_ON_FAILURE = ("continue", "stop")
 PRECISIONS = ("bf16", "fp32")
@@ -22,7 +23,6 @@ SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 WANDB_MODES = ("online", "offline", "disabled")
 ESTIMATE_FORMATS = ("table", "json")
 EXPORT_DTYPES = ("bf16", "fp32")
-DATA_FORMATS = ("prompt_response", "messages", "text")
 OVERLONG = ("truncate", "drop")
 LOSS_IMPLS = ("dense", "chunked", "fused")
 MODEL_INITS = ("auto", "pretrained", "random")
@@ -48,35 +48,51 @@ class ModelConfig:
 
 
 @dataclass
-class MixSource:
-    """One dataset of data.mix; unset fields take data.*'s value."""
+class SourceConfig:
+    """One dataset: where it is, which of its examples, and how its records read (the format and
+    the columns it reads). data.* holds one (data.path ...); each data.mix entry is another."""
 
-    path: str = "???"
-    weight: float = 1.0  # share of the training stream: weight / sum of weights
-    split: str | None = None
-    max_samples: int | None = None
-    format: str | None = None
-    input_key: str | None = None
-    output_key: str | None = None
-    system_key: str | None = None
-    messages_key: str | None = None
-    text_key: str | None = None
-
-
-@dataclass
-class DataConfig:
     # Hub dataset id, or a local json/jsonl/parquet/csv/arrow file, or a folder of them (or save_to_disk's).
     path: str = "???"
     split: str = "train"
     max_samples: int | None = None  # the first N examples of the split
-    format: str = "prompt_response"  # prompt_response | messages | text
+    format: str = "prompt_response"  # prompt_response | messages | text (dtrain.data.formats.FORMATS)
     input_key: str = "prompt"
     output_key: str = "response"
     system_key: str | None = None
     messages_key: str = "messages"  # format=messages: a list of {role, content}
     text_key: str = "text"  # format=text: loss on every token
-    # When set, these datasets (mixed by weight) replace data.path.
-    mix: list[MixSource] = field(default_factory=list)
+
+
+@dataclass
+class MixSource(SourceConfig):
+    """The schema of a data.mix entry: a source and its share of the training stream. The entry's
+    unset fields take data.*'s values (path excepted: each entry names its dataset)."""
+
+    weight: float = 1.0  # share of the training stream: weight / sum of weights
+
+
+@dataclass
+class Source(MixSource):
+    """One dataset as the pipeline reads it, every field resolved (`DataConfig.sources()`)."""
+
+    config_key: str = "data"  # where it is configured, for errors: data or data.mix[i]
+
+    def key(self, name: str) -> str:
+        """The config key of one of its fields: data.NAME or data.mix[i].NAME."""
+        return f"{self.config_key}.{name}"
+
+    @property
+    def where(self) -> str:
+        """How errors name it: `data.path='...'` or `data.mix[i].path='...'`."""
+        return f"{self.key('path')}={self.path!r}"
+
+
+@dataclass
+class DataConfig(SourceConfig):
+    # When set, these datasets (mixed by weight) replace data.path: each a mapping of MixSource's
+    # fields, e.g. {path: a.jsonl, weight: 3, input_key: q}; unset fields take data.*'s values.
+    mix: list[dict[str, Any]] = field(default_factory=list)
     max_len: int = 128
     overlong: str = "truncate"  # examples over max_len tokens: truncate | drop
     packing: bool = False
@@ -85,6 +101,32 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes building rows
     eval_split: str | None = None  # a split of the same source(s) for eval_loss ...
     eval_fraction: float = 0.0  # ... or this fraction of each source held out (seeded)
+
+    def sources(self) -> list[Source]:
+        """The datasets to read: data.*'s own source, or each data.mix entry merged onto data.*'s
+        source fields (an unknown key or a wrong type raises a ConfigError naming data.mix[i].KEY)."""
+        own = {f.name: getattr(self, f.name) for f in fields(SourceConfig)}
+        if not self.mix:
+            return [Source(**own)]
+        resolved = []
+        for i, entry in enumerate(self.mix):
+            where = f"data.mix[{i}]"
+            schema = OmegaConf.structured(MixSource(**{**own, "path": MISSING}))
+            try:
+                source = OmegaConf.to_object(OmegaConf.merge(schema, entry))
+            except ConfigKeyError as error:
+                raise ConfigError(
+                    f"{where}.{error.key}: unknown key; an entry takes "
+                    f"{', '.join(f.name for f in fields(MixSource))}"
+                ) from None
+            except MissingMandatoryValue as error:
+                raise ConfigError(
+                    f"{where}.{error.full_key}: missing (an entry names its own path, not data.path)"
+                ) from None
+            except OmegaConfBaseException as error:  # a wrong type, e.g. weight=abc
+                raise ConfigError(f"{where}.{error.full_key}: {str(error).splitlines()[0]}") from None
+            resolved.append(Source(**vars(source), config_key=where))
+        return resolved
 
 
 @dataclass
@@ -266,18 +308,18 @@ def check_data(data: DataConfig, train: TrainConfig, *, files: bool = True) -> N
     _positive("data.num_proc", data.num_proc)
     if data.num_workers < 0:
         raise ConfigError(f"data.num_workers={data.num_workers}: must be >= 0")
+    check_format("data.format", data.format)
     if data.max_samples is not None:
         _positive("data.max_samples", data.max_samples)
     if data.mix:
-        for i, source in enumerate(data.mix):
+        for source in data.sources():
             if files:
-                _check_source_path(f"data.mix[{i}].path", source.path)
+                _check_source_path(source.key("path"), source.path)
             if not source.weight > 0:
-                raise ConfigError(f"data.mix[{i}].weight={source.weight}: must be > 0")
-            if source.format is not None:
-                _one_of(f"data.mix[{i}].format", source.format, DATA_FORMATS)
+                raise ConfigError(f"{source.key('weight')}={source.weight}: must be > 0")
+            check_format(source.key("format"), source.format)
             if source.max_samples is not None:
-                _positive(f"data.mix[{i}].max_samples", source.max_samples)
+                _positive(source.key("max_samples"), source.max_samples)
     elif files:
         _check_source_path("data.path", data.path)
     if not 0.0 <= data.eval_fraction < 1.0:
@@ -316,7 +358,6 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
             f"parallel.fsdp_prefetch={parallel.fsdp_prefetch}: must be >= 0 (0: FSDP's own prefetching)"
         )
     _one_of("logging.wandb.mode", config.logging.wandb.mode, WANDB_MODES)
-    _one_of("data.format", data.format, DATA_FORMATS)
     _one_of("model.init", config.model.init, MODEL_INITS)
     for key, value in (
         ("train.max_steps", train.max_steps),
@@ -371,6 +412,12 @@ def check_sequence_split(max_len: int, shape: MeshShape, sequence_parallel: bool
         parts.append(f"parallel.tp={shape.tp} (sequence parallel; or set parallel.sequence_parallel=false)")
     total = f" = {split}" if len(parts) > 1 else ""
     raise ConfigError(f"data.max_len={max_len} is not divisible by {' × '.join(parts)}{total}")
+
+
+def check_format(key: str, name: str) -> None:
+    from dtrain.data.formats import FORMATS  # imported here: the data package imports this module
+
+    _one_of(key, name, tuple(FORMATS))
 
 
 def check_tp_support(model_type: str, tp: int) -> None:

@@ -16,10 +16,20 @@ import torch
 from helpers import DATASET, TOKENIZER, parity_config, read_metrics, run, torchrun
 from transformers import AutoTokenizer
 
-from dtrain.config import ConfigError, DataConfig, MixSource, check_config
+from dtrain.config import ConfigError, DataConfig, check_config
 from dtrain.data import SFTLoader, eval_micro_batches, prepare, to_rows
-from dtrain.data.formats import EMPTY, NO_TARGET, OK, OVERLONG, TRUNCATED, tokenize_example
-from dtrain.data.sources import load_split, sources
+from dtrain.data.formats import (
+    EMPTY,
+    FORMATS,
+    NO_TARGET,
+    OK,
+    OVERLONG,
+    TRUNCATED,
+    Format,
+    text_ids,
+    tokenize_example,
+)
+from dtrain.data.sources import load_split
 from dtrain.model import load_model_config
 
 TEMPLATE = (TOKENIZER / "chat_template.jinja").read_text()
@@ -64,7 +74,7 @@ def independent_rendering(tokenizer, messages) -> tuple[list[int], list[int]]:
 
 
 def tokenize(tokenizer, record: dict, max_len: int = 1000, overlong: str = "truncate", **data) -> dict:
-    (source,) = sources(DataConfig(path="unused.jsonl", **data))
+    (source,) = DataConfig(path="unused.jsonl", **data).sources()
     return tokenize_example(record, 0, tokenizer=tokenizer, source=source, max_len=max_len, overlong=overlong)
 
 
@@ -116,8 +126,18 @@ def test_text_is_supervised_everywhere_and_lengths_are_handled():
         ({"data.format": "chat"}, "data.format='chat': must be one of"),
         ({"train.eval_every": 5}, "train.eval_every=5 needs an eval set"),
         ({"data.eval_fraction": 1.0}, "data.eval_fraction=1.0: must be in [0, 1)"),
-        ({"data.mix": [MixSource(path="/no/such.jsonl")]}, "data.mix[0].path='/no/such.jsonl': no such file"),
-        ({"data.mix": [MixSource(path=str(DATASET), weight=0)]}, "data.mix[0].weight=0: must be > 0"),
+        ({"data.mix": [{"path": "/no/such.jsonl"}]}, "data.mix[0].path='/no/such.jsonl': no such file"),
+        ({"data.mix": [{"path": str(DATASET), "weight": 0}]}, "data.mix[0].weight=0.0: must be > 0"),
+        (
+            {"data.mix": [{"path": str(DATASET), "format": "chat"}]},
+            "data.mix[0].format='chat': must be one of",
+        ),
+        ({"data.mix": [{"path": str(DATASET), "input_kye": "q"}]}, "data.mix[0].input_kye: unknown key"),
+        (
+            {"data.mix": [{"path": str(DATASET), "max_samples": "ten"}]},
+            "data.mix[0].max_samples: Value 'ten'",
+        ),
+        ({"data.mix": [{"weight": 2}]}, "data.mix[0].path: missing"),
     ],
 )
 def test_bad_data_config_is_refused_before_launch(changes, message):
@@ -156,7 +176,7 @@ def test_local_sources_of_every_kind(tmp_path, kind):
             writer.write_table(table.data.table)
     else:
         table.save_to_disk(path)
-    (source,) = sources(DataConfig(path=str(path), max_samples=10))
+    (source,) = DataConfig(path=str(path), max_samples=10).sources()
     loaded = load_split(source, "train")
     assert loaded["prompt"] == [r["prompt"] for r in RECORDS[:10]]
 
@@ -165,8 +185,8 @@ def test_mix_weights_eval_split_and_eval_fraction(tmp_path):
     first = write_jsonl(tmp_path / "a.jsonl", RECORDS[:12])
     second = write_jsonl(tmp_path / "b.jsonl", [{"q": "reverse: ab", "a": "ba"}] * 4)
     mix = [
-        MixSource(path=first, weight=1.0),
-        MixSource(path=second, weight=3.0, input_key="q", output_key="a"),
+        {"path": first, "weight": 1.0},
+        {"path": second, "weight": 3.0, "input_key": "q", "output_key": "a"},
     ]
     tokenizer = tokenizer_with(TEMPLATE)
     examples, held_out = prepare(DataConfig(path="unused", mix=mix, eval_fraction=0.25), tokenizer, seed=0)
@@ -180,6 +200,46 @@ def test_mix_weights_eval_split_and_eval_fraction(tmp_path):
     write_jsonl(folder / "test.jsonl", RECORDS[20:])
     examples, held_out = prepare(DataConfig(path=str(folder), eval_split="test"), tokenizer, seed=0)
     assert (len(examples), len(held_out)) == (20, 4)
+
+
+class Shout(Format):
+    """A format of the test's own: the text column upper-cased, loss on its second half only."""
+
+    name = "shout"
+    keys = ("text_key",)
+
+    def tokenize(self, record, source, tokenizer, where):
+        ids = text_ids(tokenizer, str(record[source.text_key]).upper())
+        half = len(ids) // 2
+        return ids, [0] * half + [1] * (len(ids) - half)
+
+
+def test_a_format_added_to_the_registry_is_checked_and_tokenized_through_the_pipeline(tmp_path, monkeypatch):
+    """The extension point: one Format object in FORMATS, and data.format / data.mix[i].format take it."""
+    config = parity_config(None, dp=1, tp=1)
+    model_config = load_model_config(config.model)
+    config.data = DataConfig(path=write_jsonl(tmp_path / "s.jsonl", RECORDS[:4]), format="shout", max_len=32)
+    with pytest.raises(ConfigError, match="data.format='shout': must be one of"):
+        check_config(config, 1, model_config)
+    monkeypatch.setitem(FORMATS, "shout", Shout())  # removed again after the test
+
+    check_config(config, 1, model_config)
+    tokenizer = tokenizer_with(TEMPLATE)
+    with pytest.raises(ConfigError, match=r"missing key 'text' \(data.text_key, data.format=shout\)"):
+        prepare(config.data, tokenizer, seed=0)
+
+    config.data.path = write_jsonl(tmp_path / "t.jsonl", [{"text": f"doc {i}"} for i in range(4)])
+    examples, _ = prepare(config.data, tokenizer, seed=0)
+    for i, (ids, mask) in enumerate(zip(examples["input_ids"], examples["mask"], strict=True)):
+        assert ids == text_ids(tokenizer, f"DOC {i}")
+        assert mask == [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)
+    labels = to_rows(examples, config.data, tokenizer)[0]["labels"].tolist()
+    length = len(examples["input_ids"][0])
+    assert [t for t, label in enumerate(labels) if label != -100] == list(range(length // 2 - 1, length - 1))
+
+    config.data.mix = [{"path": config.data.path}, {"path": config.data.path, "format": "text", "weight": 3}]
+    check_config(config, 1, model_config)
+    assert [source.format for source in config.data.sources()] == ["shout", "text"]
 
 
 def test_tokenizing_in_two_processes_gives_the_same_examples_and_errors(tmp_path):
@@ -310,6 +370,24 @@ def test_bad_input_fails_through_the_cli_with_its_message(tmp_path, case, nproc)
     for word in words:
         assert word in output, output[-3000:]
     assert not re.search(r'File "[^"]*/dtrain/[^"]*", line', output), output[-3000:]
+
+
+@pytest.mark.parametrize(
+    "entry,message",
+    [
+        ("input_kye: q", "data.mix[0].input_kye: unknown key; an entry takes path, split,"),
+        ("weight: heavy", "data.mix[0].weight: Value 'heavy' of type 'str' could not be converted to Float"),
+    ],
+    ids=["unknown key", "wrong type"],
+)
+def test_a_bad_mix_entry_fails_through_the_cli_naming_its_key(tmp_path, entry, message):
+    """data.mix entries are checked with the rest of the config, before any process group: exit 2
+    and one line naming data.mix[i].KEY (OmegaConf's own multi-line report does not reach the user)."""
+    returncode, output = cli(tmp_path, None, [f"data.mix=[{{path: {DATASET}, {entry}}}]"])
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert returncode == 2 and len(errors) == 1, output[-3000:]
+    assert errors[0].startswith(f"dtrain: error: {message}"), output[-3000:]
+    assert "full_key" not in output and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_empty_and_truncated_responses_are_dropped_counted_and_packed_training_evaluates(tmp_path):

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from dtrain.config import ConfigError, DataConfig
 from dtrain.data import load_tokenizer, prepare
 from dtrain.data.formats import EMPTY, KEPT, NO_TARGET, OVERLONG, tokenize_example
-from dtrain.data.sources import sources
 
 MAX_LEN = 24
 STATUSES = {*KEPT, EMPTY, NO_TARGET, OVERLONG}
@@ -43,7 +42,7 @@ message = st.one_of(
 
 
 def check(record: dict, data: DataConfig) -> None:
-    (source,) = sources(data)
+    (source,) = data.sources()
     try:
         row = tokenize_example(
             record, 7, tokenizer=TOKENIZER_, source=source, max_len=MAX_LEN, overlong=data.overlong
@@ -107,7 +106,7 @@ def test_the_fuzzers_reach_both_outcomes():
     """Guard against strategies that never produce an error, or never a row."""
     good = {"prompt": "sort: b a", "response": "a b", "system": None}
     with pytest.raises(ConfigError):
-        (source,) = sources(DataConfig(path="fuzz.jsonl", system_key="system"))
+        (source,) = DataConfig(path="fuzz.jsonl", system_key="system").sources()
         tokenize_example(good, 7, tokenizer=TOKENIZER_, source=source, max_len=MAX_LEN, overlong="truncate")
     good["system"] = "be brief"
     row = tokenize_example(good, 7, tokenizer=TOKENIZER_, source=source, max_len=MAX_LEN, overlong="truncate")

@@ -1,22 +1,26 @@
-"""SFT data, one stage per module: `sources` (datasets: hub, files, folders, mix), `formats`
-(chat template, supervision masks, lengths), `packing` (rows, labels, positions), `loader` (the
-global seeded stream on StatefulDataLoader), `pipeline` (the stages in order, once per machine)."""
+"""SFT data, one stage per module: `formats` (the FORMATS registry: chat template, supervision masks),
+`sources` (datasets: hub, files, folders), `packing` (rows, labels, positions), `loader` (the global
+seeded stream on StatefulDataLoader), `pipeline` (the stages in order, once per machine).
 
-from dtrain.data.formats import load_tokenizer, pad_id
-from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
-from dtrain.data.packing import build_row, pack
-from dtrain.data.pipeline import SFTData, build_data, prepare, to_rows
+The names below load their module on first use, so that the config check's look-up of
+`dtrain.data.formats.FORMATS` does not wait on `datasets` and torchdata."""
 
-__all__ = [
-    "Rows",
-    "SFTData",
-    "SFTLoader",
-    "build_data",
-    "build_row",
-    "eval_micro_batches",
-    "load_tokenizer",
-    "pack",
-    "pad_id",
-    "prepare",
-    "to_rows",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "formats": ("load_tokenizer", "pad_id"),
+    "loader": ("Rows", "SFTLoader", "eval_micro_batches"),
+    "packing": ("build_row", "pack"),
+    "pipeline": ("SFTData", "build_data", "prepare", "to_rows"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"dtrain.data.{_MODULE_OF[name]}"), name)

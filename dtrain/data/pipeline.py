@@ -18,15 +18,16 @@ import torch.distributed as dist
 from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
-from dtrain.config import ConfigError, DataConfig, TrainConfig
+from dtrain.config import ConfigError, DataConfig, Source, TrainConfig
 from dtrain.data.formats import KEPT, TRUNCATED, pad_id, tokenize_example
 from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
 from dtrain.data.packing import efficiency, one_per_row, pack
-from dtrain.data.sources import Source, load_split, sources
+from dtrain.data.sources import load_split
 
 log = logging.getLogger("dtrain")
 
-# Bump when tokenize_example changes what it writes, so old cache files are not reused.
+# Bump when tokenize_example or a format (formats.FORMATS) changes what it writes, so old cache
+# files are not reused.
 TOKENIZE_VERSION = 1
 FEATURES = datasets.Features(
     {
@@ -91,7 +92,7 @@ def prepare(
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """The training examples (mixed) and the eval examples (or None), tokenized and filtered."""
     train_parts, eval_parts, weights = [], [], []
-    for source in sources(data):
+    for source in data.sources():
         examples = tokenized(load_split(source, source.split), source, data, tokenizer)
         if data.eval_fraction > 0:
             examples, held_out = hold_out(examples, data.eval_fraction, seed, source)
@@ -141,7 +142,7 @@ def tokenized(
     keep = [i for i, status in enumerate(statuses) if status in KEPT]
     if not keep:
         raise ConfigError(
-            f"{source.key}={source.path!r}: no example left after filtering ({dict(counts)}); "
+            f"{source.where}: no example left after filtering ({dict(counts)}); "
             "check data.format, the keys, data.max_len and data.overlong"
         )
     return result.select(keep, keep_in_memory=True) if len(keep) < len(result) else result

@@ -1,75 +1,26 @@
 """Where examples come from: a hub dataset id, a local file or folder, one split, the first
-max_samples; several of them mixed by weight. Everything loads through Hugging Face `datasets`."""
+max_samples (one `Source`, resolved by `DataConfig.sources()`). Everything loads through Hugging
+Face `datasets`."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 
-from dtrain.config import ConfigError, DataConfig
+from dtrain.config import ConfigError, Source
+from dtrain.data.formats import FORMATS
 
 # datasets' packaged builder for each local file suffix.
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
 
-@dataclass(frozen=True)
-class Source:
-    """One dataset with its format and keys resolved (data.mix entries inherit data.*)."""
-
-    key: str  # the config key that names it, for errors: data.path or data.mix[i].path
-    path: str
-    split: str
-    max_samples: int | None
-    weight: float
-    format: str
-    input_key: str
-    output_key: str
-    system_key: str | None
-    messages_key: str
-    text_key: str
-
-    def columns(self) -> list[str]:
-        """The columns this format reads, with the config key that names each."""
-        if self.format == "messages":
-            return [self.messages_key]
-        if self.format == "text":
-            return [self.text_key]
-        return [self.input_key, self.output_key] + ([self.system_key] if self.system_key else [])
-
-
-def sources(data: DataConfig) -> list[Source]:
-    if not data.mix:
-        return [
-            Source(
-                "data.path", data.path, data.split, data.max_samples, 1.0, data.format, data.input_key,
-                data.output_key, data.system_key, data.messages_key, data.text_key,
-            )
-        ]  # fmt: skip
-    resolved = []
-    for i, mix in enumerate(data.mix):
-
-        def pick(name: str, mix=mix):  # a mix entry's own value, else data.<name>
-            value = getattr(mix, name)
-            return getattr(data, name) if value is None else value
-
-        resolved.append(
-            Source(
-                f"data.mix[{i}].path", mix.path, pick("split"), pick("max_samples"), mix.weight,
-                pick("format"), pick("input_key"), pick("output_key"), pick("system_key"),
-                pick("messages_key"), pick("text_key"),
-            )
-        )  # fmt: skip
-    return resolved
-
-
 def load_split(source: Source, split: str) -> datasets.Dataset:
     """The split of the source, cut to max_samples, with the columns its format needs checked."""
     path = os.path.expanduser(source.path)
-    where = f"{source.key}={source.path!r}"
+    where = source.where
     try:
         dataset = _load(path, split, where)
     except ConfigError:
@@ -80,11 +31,11 @@ def load_split(source: Source, split: str) -> datasets.Dataset:
         dataset = dataset.select(range(min(source.max_samples, len(dataset))))
     if len(dataset) == 0:
         raise ConfigError(f"{where} split {split!r}: the dataset is empty")
-    for column in source.columns():
+    for key, column in FORMATS[source.format].columns(source).items():
         if column not in dataset.column_names:
             raise ConfigError(
-                f"{where}: missing key {column!r} (data.format={source.format}); "
-                f"the dataset has columns {dataset.column_names}"
+                f"{where}: missing key {column!r} ({source.key(key)}, {source.key('format')}="
+                f"{source.format}); the dataset has columns {dataset.column_names}"
             )
     return dataset
 
