@@ -85,7 +85,7 @@ def _generation_config(model: nn.Module) -> GenerationConfig:
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str) -> None:
     """Rebuild the model of a checkpoint as plain FSDP over this world and export it."""
-    from dtrain.data import load_tokenizer
+    from dtrain.data.formats import load_tokenizer
 
     if not is_complete(checkpoint):
         raise ConfigError(f"{checkpoint}: not a complete dtrain checkpoint (no {COMPLETE})")

@@ -16,7 +16,8 @@ from transformers import PreTrainedTokenizerBase
 
 from dtrain.checkpoint import Checkpointer, Progress, checkpoint_dir, load
 from dtrain.config import Config, MeshShape
-from dtrain.data import SFTData, build_data, load_tokenizer
+from dtrain.data.formats import load_tokenizer
+from dtrain.data.pipeline import SFTData, build_data
 from dtrain.distributed import Parallel, build_parallel
 from dtrain.export import export_hf
 from dtrain.faults import Faults

@@ -17,7 +17,6 @@ from helpers import DATASET, TOKENIZER, parity_config, read_metrics, run, torchr
 from transformers import AutoTokenizer
 
 from dtrain.config import ConfigError, DataConfig, check_config
-from dtrain.data import SFTLoader, eval_micro_batches, prepare, to_rows
 from dtrain.data.formats import (
     EMPTY,
     FORMATS,
@@ -29,6 +28,8 @@ from dtrain.data.formats import (
     text_ids,
     tokenize_example,
 )
+from dtrain.data.loader import SFTLoader, eval_micro_batches
+from dtrain.data.pipeline import prepare, to_rows
 from dtrain.data.sources import load_split
 from dtrain.model import load_model_config
 

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dtrain.config import ConfigError, DataConfig
-from dtrain.data import load_tokenizer, prepare
-from dtrain.data.formats import EMPTY, KEPT, NO_TARGET, OVERLONG, tokenize_example
+from dtrain.data.formats import EMPTY, KEPT, NO_TARGET, OVERLONG, load_tokenizer, tokenize_example
+from dtrain.data.pipeline import prepare
 
 MAX_LEN = 24
 STATUSES = {*KEPT, EMPTY, NO_TARGET, OVERLONG}

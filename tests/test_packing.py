@@ -8,8 +8,7 @@ import random
 import torch
 from helpers import ROOT, torchrun
 
-from dtrain.data import build_row, pack
-from dtrain.data.packing import efficiency
+from dtrain.data.packing import build_row, efficiency, pack
 from dtrain.loss import IGNORE
 
 

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from dtrain.config import TrainConfig
-from dtrain.data import build_data
+from dtrain.data.pipeline import build_data
 from dtrain.loss import IGNORE
 from dtrain.parallel.context import local_token_indices
 

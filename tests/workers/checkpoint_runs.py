@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import full_logits, parity_config, save_results, sharded_model, worker_args  # noqa: E402
 
 from dtrain.config import ConfigError, check_config  # noqa: E402
-from dtrain.data import load_tokenizer  # noqa: E402
+from dtrain.data.formats import load_tokenizer  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.export import export_hf  # noqa: E402
 from dtrain.model import load_model_config  # noqa: E402

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from estimate_scenarios import SCENARIOS  # noqa: E402
 from helpers import sharded_model  # noqa: E402
 
-from dtrain.data import build_data, load_tokenizer  # noqa: E402
+from dtrain.data.formats import load_tokenizer  # noqa: E402
+from dtrain.data.pipeline import build_data  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
 from dtrain.estimate.app import compose  # noqa: E402
 from dtrain.estimate.measure import track_step  # noqa: E402

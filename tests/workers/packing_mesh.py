@@ -24,8 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import parity_config  # noqa: E402
 
 from dtrain.config import ConfigError, TrainConfig, check_config  # noqa: E402
-from dtrain.data import build_data, load_tokenizer, prepare, to_rows  # noqa: E402
-from dtrain.data.pipeline import once_per_machine  # noqa: E402
+from dtrain.data.formats import load_tokenizer  # noqa: E402
+from dtrain.data.pipeline import (  # noqa: E402
+    build_data,
+    once_per_machine,  # noqa: E402
+    prepare,
+    to_rows,
+)
 from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
 from dtrain.loss import IGNORE, loss_context, summed_cross_entropy  # noqa: E402
 from dtrain.model import build_meta_model, load_model_config, materialize  # noqa: E402
