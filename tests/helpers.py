@@ -221,6 +221,12 @@ def worker_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def worker(name: str) -> list[str]:
+    """The arguments that run tests/workers/NAME.py as the module `tests.workers.NAME`, for torchrun
+    or python: `-m` puts the working directory on sys.path, and run's is ROOT."""
+    return ["-m", f"tests.workers.{name}"]
+
+
 def torchrun(
     nproc: int, *args: str, timeout: float = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, fixed_batch, read_metrics, run, save_tiny_llama, torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dtrain.checkpoint import COMPLETE, find_resume_path
 from dtrain.config import CheckpointConfig, ConfigError
+from tests.helpers import fixed_batch, read_metrics, run, save_tiny_llama, torchrun, worker
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +22,9 @@ def runs(tmp_path_factory):
     untied = save_tiny_llama(root / "untied", tied=False, seed=1)
     tied = save_tiny_llama(root / "tied", tied=True, seed=2)
     save_tiny_llama(root / "sharded", tied=False, seed=3, max_shard_size="100KB")
-    worker = str(ROOT / "tests" / "workers" / "checkpoint_runs.py")
+    args = ["--out", str(root), "--untied", str(untied), "--tied", str(tied)]
     for nproc in (4, 1):
-        result = torchrun(nproc, worker, "--out", str(root), "--untied", str(untied), "--tied", str(tied))
+        result = torchrun(nproc, *worker("checkpoint_runs"), *args)
         assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
     saved = {path.stem: torch.load(path) for path in root.glob("*.pt")}
     return root, saved

@@ -7,7 +7,8 @@ import re
 import sys
 
 import pytest
-from helpers import ROOT, read_metrics, run, torchrun
+
+from tests.helpers import ROOT, read_metrics, run, torchrun
 
 SFT = ["-m", "dtrain.sft"]
 

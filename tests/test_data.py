@@ -13,7 +13,6 @@ import datasets
 import pyarrow as pa
 import pytest
 import torch
-from helpers import DATASET, TOKENIZER, parity_config, read_metrics, run, torchrun
 from transformers import AutoTokenizer
 
 from dtrain.config import ConfigError, DataConfig, MixSource, check_config
@@ -21,6 +20,7 @@ from dtrain.data import SFTLoader, eval_micro_batches, prepare, to_rows
 from dtrain.data.formats import EMPTY, NO_TARGET, OK, OVERLONG, TRUNCATED, tokenize_example
 from dtrain.data.sources import load_split, sources
 from dtrain.model import load_model_config
+from tests.helpers import DATASET, TOKENIZER, parity_config, read_metrics, run, torchrun
 
 TEMPLATE = (TOKENIZER / "chat_template.jinja").read_text()
 NO_MARKERS = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")

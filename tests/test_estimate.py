@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from estimate_scenarios import SCENARIOS, WORLD
-from helpers import ROOT
+
+from tests.estimate_scenarios import SCENARIOS, WORLD
+from tests.helpers import ROOT, worker
 
 ESTIMATE = [sys.executable, "-m", "dtrain.estimate"]
 LLAMA3_TP4 = ["+experiment=llama3_tp4", "estimate.world_size=4"]
@@ -52,7 +53,7 @@ def runs(tmp_path_factory):
                 "torch.distributed.run",
                 "--standalone",
                 f"--nproc_per_node={WORLD}",
-                str(ROOT / "tests" / "workers" / "estimate_real.py"),
+                *worker("estimate_real"),
                 "--out",
                 str(out),
             ]

@@ -8,14 +8,14 @@ from __future__ import annotations
 import sys
 
 import pytest
-from helpers import ROOT, parity_config, read_metrics, run, torchrun
 
 from dtrain.config import ConfigError, check_config
 from dtrain.estimate.app import compose
 from dtrain.estimate.planner import plan
 from dtrain.model import load_model_config
+from tests.helpers import parity_config, read_metrics, run, torchrun, worker
 
-WORKER = str(ROOT / "tests" / "workers" / "fused_runs.py")
+WORKER = worker("fused_runs")
 # The memory constant (docs/estimate.md): the loss's temporaries are at most this many fp32 logits
 # chunks (rows × local vocabulary × 4 bytes).
 CHUNKS_OF_LOGITS = 2
@@ -24,7 +24,7 @@ CHUNKS_OF_LOGITS = 2
 @pytest.mark.parametrize("nproc", [1, 2, 4], ids=["1x1", "1x2", "2x2+tied2x2"])
 def test_fused_loss_matches_the_dense_loss(tmp_path, nproc):
     done = tmp_path / "done"
-    result = torchrun(nproc, WORKER, "--done", str(done), timeout=400)
+    result = torchrun(nproc, *WORKER, "--done", str(done), timeout=400)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import TOKENIZER
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +14,7 @@ from dtrain.config import ConfigError, DataConfig
 from dtrain.data import load_tokenizer, prepare
 from dtrain.data.formats import EMPTY, KEPT, NO_TARGET, OVERLONG, tokenize_example
 from dtrain.data.sources import sources
+from tests.helpers import TOKENIZER
 
 MAX_LEN = 24
 STATUSES = {*KEPT, EMPTY, NO_TARGET, OVERLONG}

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ROOT, STEPS, save_tiny_llama, torchrun
-from test_parity import RTOL, reference_run, relative_error
 
 from dtrain.config import ConfigError, MeshShape, ParallelConfig, mesh_shape
+from tests.helpers import STEPS, save_tiny_llama, torchrun, worker
+from tests.test_parity import RTOL, reference_run, relative_error
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,9 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("hsdp_runs")
-    worker = str(ROOT / "tests" / "workers" / "hsdp_runs.py")
     untied = str(models["untied"])
-    result = torchrun(8, worker, "--out", str(out), "--untied", untied, "--tied", untied, timeout=600)
+    args = ["--out", str(out), "--untied", untied, "--tied", untied]
+    result = torchrun(8, *worker("hsdp_runs"), *args, timeout=600)
     assert result.returncode == 0, f"8 processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 

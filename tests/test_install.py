@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, read_metrics, run
+
+from tests.helpers import ROOT, read_metrics, run
 
 
 @pytest.fixture(scope="module")

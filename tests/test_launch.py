@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ROOT, read_metrics, run, torchrun, wandb_records
+
+from tests.helpers import ROOT, read_metrics, run, torchrun, wandb_records
 
 # Two ranks, dp=2, a curve that moves from step 1 (no warm-up) and two schedules to tell jobs apart.
 COMMON = ["train.max_steps=3", "train.log_every=1", "optim.warmup_steps=0", "parallel.tp=1"]

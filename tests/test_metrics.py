@@ -12,9 +12,9 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
-from helpers import read_metrics, run, torchrun, wandb_records
 
 from dtrain.sinks import ConsoleSink, wandb_credentials
+from tests.helpers import read_metrics, run, torchrun, wandb_records
 
 STEPS, LOG_EVERY = 4, 2
 FIGURES = [

@@ -12,11 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+from dtrain.config import TrainConfig
+from dtrain.data import build_data
+from dtrain.loss import IGNORE
+from dtrain.parallel.context import local_token_indices
+from tests.helpers import (
     FAMILIES,
     GLOBAL_BATCH,
     MAX_LEN,
-    ROOT,
     STEPS,
     TOKENIZER,
     cross_rank_row,
@@ -26,14 +32,8 @@ from helpers import (
     save_tiny_family,
     save_tiny_llama,
     torchrun,
+    worker,
 )
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
-
-from dtrain.config import TrainConfig
-from dtrain.data import build_data
-from dtrain.loss import IGNORE
-from dtrain.parallel.context import local_token_indices
 
 RTOL = 1e-5
 MESH_RUNS = {
@@ -59,11 +59,10 @@ def models(tmp_path_factory):
 def mesh_runs(models, tmp_path_factory):
     """All scenarios: one torchrun per world size, each sharing its process group across scenarios."""
     out = tmp_path_factory.mktemp("mesh_runs")
-    worker = str(ROOT / "tests" / "workers" / "mesh_runs.py")
     for nproc in (1, 4):
         args = ["--out", str(out), "--untied", str(models["untied"]), "--tied", str(models["tied"])]
         args += ["--families", str(models["qwen2"].parent)]
-        result = torchrun(nproc, worker, *args, timeout=400)
+        result = torchrun(nproc, *worker("mesh_runs"), *args, timeout=400)
         assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 

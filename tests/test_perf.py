@@ -12,7 +12,6 @@ import sys
 import datasets
 import pytest
 import torch
-from helpers import MAX_LEN, ROOT, TINY, parity_config, run, torchrun
 
 import dtrain.attention
 from dtrain.attention import set_backend
@@ -20,13 +19,14 @@ from dtrain.config import ConfigError, check_config
 from dtrain.data.loader import Rows, SFTLoader
 from dtrain.estimate.planner import plan
 from dtrain.model import build_meta_model, init_weights, load_model_config, reset_rotary_buffers
+from tests.helpers import MAX_LEN, ROOT, TINY, parity_config, run, torchrun, worker
 
-WORKER = str(ROOT / "tests" / "workers" / "perf_mesh.py")
+WORKER = worker("perf_mesh")
 
 
 def test_chunked_loss_checkpointing_and_resharding_keep_the_numerics_on_2x2(tmp_path):
     done = tmp_path / "done"
-    result = torchrun(4, WORKER, "--done", str(done), timeout=300)
+    result = torchrun(4, *WORKER, "--done", str(done), timeout=300)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
 
 
@@ -34,7 +34,7 @@ def test_tp1_fast_path_compile_and_selective_recomputation_on_1x1(tmp_path):
     """One process. Inductor compiles on the CPU (g++); one compile worker, not a pool of them."""
     done = tmp_path / "done"
     env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    result = run([sys.executable, WORKER, "--single", "--done", str(done)], timeout=300, env=env)
+    result = run([sys.executable, *WORKER, "--single", "--done", str(done)], timeout=300, env=env)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
 
 

@@ -14,7 +14,8 @@ import shlex
 import sys
 
 import pytest
-from helpers import ROOT, run, save_user_model, write_user_dataset
+
+from tests.helpers import ROOT, run, save_user_model, write_user_dataset
 
 COVERED_ELSEWHERE = {"./launch/local.sh", "./scripts/test.sh"}
 TINY_RUN = ["train.max_steps=2"]

@@ -16,7 +16,6 @@ Rank 0 saves `<out>/<name>.pt`; a failed invariant exits non-zero.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import torch
@@ -26,15 +25,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from helpers import check_sharding, one_backward, parity_config, save_results, worker_args  # noqa: E402
-
-from dtrain.config import check_config  # noqa: E402
-from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
-from dtrain.model import build_meta_model, canonical_name, load_model_config  # noqa: E402
-from dtrain.parallel.parallelize import parallelize  # noqa: E402
-from dtrain.trainer import train  # noqa: E402
+from dtrain.config import check_config
+from dtrain.distributed import build_parallel, init_distributed
+from dtrain.model import build_meta_model, canonical_name, load_model_config
+from dtrain.parallel.parallelize import parallelize
+from dtrain.trainer import train
+from tests.helpers import check_sharding, one_backward, parity_config, save_results, worker_args
 
 HSDP_NAMES = ("dp_replicate", "dp_shard", "tp")
 SHARDS = (Shard, _StridedShard)
