@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers import ROOT, read_metrics, run, torchrun
 
+pytestmark = pytest.mark.slow  # every test launches processes
+
 SFT = ["-m", "dtrain.sft"]
 
 # (overrides, processes, expected words of the message). Hydra owns unknown keys and wrong types.

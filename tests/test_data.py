@@ -300,6 +300,7 @@ def cli(tmp_path, records, overrides, nproc: int = 1) -> tuple[int, str]:
     return result.returncode, result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,nproc", [(case, 1) for case in BAD_INPUT] + [("malformed JSON", 2)])
 def test_bad_input_fails_through_the_cli_with_its_message(tmp_path, case, nproc):
     """With 2 processes the error found while rank 0 prepares the data reaches the other rank too:
@@ -312,6 +313,7 @@ def test_bad_input_fails_through_the_cli_with_its_message(tmp_path, case, nproc)
     assert not re.search(r'File "[^"]*/dtrain/[^"]*", line', output), output[-3000:]
 
 
+@pytest.mark.slow
 def test_empty_and_truncated_responses_are_dropped_counted_and_packed_training_evaluates(tmp_path):
     records = RECORDS * 2 + [{"prompt": "q", "response": ""}, {"prompt": "x " * 40, "response": "y"}]
     overrides = ["data.packing=true", "data.eval_fraction=0.1", "train.eval_every=1"]

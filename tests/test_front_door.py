@@ -25,6 +25,8 @@ from tests.helpers import (
     write_user_dataset,
 )
 
+pytestmark = pytest.mark.slow  # every test launches processes
+
 SFT = ["-m", "dtrain.sft"]
 
 

@@ -42,6 +42,7 @@ def packed_reference(models):
     return reference_run(models["untied"], packed=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,reference_name", [("hsdp", "reference"), ("cp", "packed_reference")])
 def test_2x2x2_matches_single_process_hf(runs, request, name, reference_name):
     """HSDP 2×2×2 (dp_replicate, dp_shard, tp) on plain rows, and dp 2 × cp 2 × tp 2 on packed rows
@@ -61,6 +62,7 @@ def test_2x2x2_matches_single_process_hf(runs, request, name, reference_name):
         assert relative_error(trained[param_name], param.detach()) < rtol, param_name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,steps,full_run",
     [
@@ -83,6 +85,7 @@ def test_checkpoint_reshards_between_meshes(runs, name, steps, full_run):
         assert record["lr"] == pytest.approx(expected["lr"], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_unplanned_linear_is_refused_by_the_coverage_check(runs):
     error = runs["unplanned"]["error"]
     assert error is not None, "parallelize accepted a Linear that no TP style covers"

@@ -14,6 +14,8 @@ import pytest
 
 from tests.helpers import ROOT, read_metrics, run
 
+pytestmark = pytest.mark.slow  # every test launches processes
+
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:

@@ -42,6 +42,7 @@ def sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return folder, result
 
 
+@pytest.mark.slow
 def test_sweep_runs_every_job_in_its_own_folder_on_one_process_group(sweep):
     folder, result = sweep
     assert sorted(p.name for p in folder.iterdir()) == ["0", "1", "2", "multirun.yaml"]  # no rank folders
@@ -56,6 +57,7 @@ def test_sweep_runs_every_job_in_its_own_folder_on_one_process_group(sweep):
     assert result.stdout.count("Launching 3 jobs locally") == 1  # one Hydra sweep, not one per rank
 
 
+@pytest.mark.slow
 def test_a_failed_job_is_recorded_and_the_sweep_goes_on(sweep):
     folder, result = sweep
     failed = status(folder / "2")
@@ -66,6 +68,7 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(sweep):
     assert "job 2 (" in result.stdout and "failed: optim.schedule='bogus'" in result.stdout
 
 
+@pytest.mark.slow
 def test_each_job_is_its_own_wandb_run_grouped_by_sweep(sweep):
     folder, _ = sweep
     for job in ("0", "1"):
@@ -77,6 +80,7 @@ def test_each_job_is_its_own_wandb_run_grouped_by_sweep(sweep):
         assert logged == losses(folder / job)
 
 
+@pytest.mark.slow
 def test_stop_ends_the_sweep_at_the_failed_job(tmp_path):
     args = sft("optim.schedule=bogus,cosine", "train.sweep_on_failure=stop", multirun=True)
     result = run([sys.executable, *args, f"hydra.sweep.dir={tmp_path}"], timeout=120)
@@ -86,6 +90,7 @@ def test_stop_ends_the_sweep_at_the_failed_job(tmp_path):
     assert not (tmp_path / "1").exists()
 
 
+@pytest.mark.slow
 def test_submitit_local_sweep_with_two_tasks_per_job(sweep, tmp_path):
     """hydra/launcher=submitit_local: each job is 2 processes that take their ranks from submitit,
     and trains the same curve as the torchrun sweep's job."""
@@ -111,6 +116,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback_match_one_node(sweep, tmp_path):
     """Two torchrun agents (--nnodes=2, one process each) meet through c10d on 127.0.0.1."""
     reference, _ = sweep

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from dtrain.data import build_row, pack
@@ -13,6 +14,7 @@ from dtrain.loss import IGNORE
 from tests.helpers import torchrun, worker
 
 
+@pytest.mark.slow
 def test_packed_rows_on_the_mesh_match_one_by_one_and_keep_documents_apart(tmp_path):
     done = tmp_path / "done"
     result = torchrun(4, *worker("packing_mesh"), "--done", str(done), timeout=300)

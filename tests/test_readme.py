@@ -90,6 +90,7 @@ def as_run_here(command: str, index: int, fixtures: dict[str, str]) -> list[str]
     return args
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(RUNNABLE)), ids=[c[:60] for c in RUNNABLE])
 def test_readme_command_runs(workdir, index):
     folder, fixtures = workdir

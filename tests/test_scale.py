@@ -11,6 +11,8 @@ import pytest
 
 from tests.helpers import run, worker
 
+pytestmark = pytest.mark.slow  # every test launches processes
+
 LLAMA3_8B = "meta-llama/Meta-Llama-3-8B"  # planned offline from the architecture dtrain ships
 
 

@@ -89,6 +89,7 @@ def references(models):
     return {kind: reference_run(path, STEPS) for kind, path in models.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
 def test_padded_training_matches_the_unpadded_hf_model(runs, references, name):
     losses, norms, params = references[RUNS[name]]
@@ -111,6 +112,7 @@ def test_padded_training_matches_the_unpadded_hf_model(runs, references, name):
     assert logits.shape[-1] == PADDED and torch.isneginf(logits[..., VOCAB:]).all()
 
 
+@pytest.mark.slow
 def test_resume_from_the_padded_checkpoint_on_another_tp(runs):
     uninterrupted, resumed = runs["pad"]["history"], runs["resume_4x1"]["history"]
     assert [h["step"] for h in resumed] == list(range(CHECKPOINT + 1, STEPS + 1))
@@ -118,6 +120,7 @@ def test_resume_from_the_padded_checkpoint_on_another_tp(runs):
         assert b["loss"] == pytest.approx(a["loss"], rel=RTOL), b["step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "folder,name", [("pad/hf", "pad"), ("pad_tied_chunk/hf", "pad_tied_chunk"), ("hf_checkpoint", "pad")]
 )
