@@ -1,8 +1,9 @@
 """Numerics on every mesh against a single-process Hugging Face reference (fp32, gloo).
 
-The mesh runs (tests/workers/mesh_runs.py) train through dtrain's real trainer on 1, 2 and 4
-processes; the reference here is `from_pretrained` + a plain PyTorch loop over the same global
-batches in one micro-batch, so accumulation, sharding and loss parallel must all be exact.
+The mesh runs (tests/workers/mesh_runs.py) train through dtrain's real trainer on 1 and 4 processes
+(1x4 and 4x1 stand for 1x2 and 2x1); the reference here is `from_pretrained` + a plain PyTorch loop
+over the same global batches in one micro-batch, so accumulation, sharding and loss parallel must all
+be exact.
 """
 
 from __future__ import annotations
