@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dtrain.config import (
@@ -221,6 +222,12 @@ def worker_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def worker(name: str) -> list[str]:
+    """The arguments that run tests/workers/NAME.py as the module `tests.workers.NAME`, for torchrun
+    or python: `-m` puts the working directory on sys.path, and run's is ROOT."""
+    return ["-m", f"tests.workers.{name}"]
+
+
 def torchrun(
     nproc: int, *args: str, timeout: float = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:
@@ -414,15 +421,27 @@ def reference_losses(
     return losses
 
 
+# FSDP's dp shard of a parameter that tp also shards on dim 0 is a _StridedShard (not a Shard subclass)
+SHARDS = (Shard, _StridedShard)
+
+
 def check_sharding(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, dp: int, tp: int, cp: int = 1
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dp: int,
+    tp: int,
+    cp: int = 1,
+    replicate: int = 1,
 ) -> None:
-    """Parameters, gradients and AdamW states: DTensors on the one 2-D mesh, sharded over both axes
-    where tp shards them, each local shard at most ceil(numel / (dp·cp·tp)): FSDP shards over
-    dp_shard × cp. At tp = 1 no TP is applied: the mesh is the FSDP mesh alone."""
+    """Parameters, gradients and AdamW states: DTensors on the one mesh with the parameter's
+    placements. The mesh: dp_replicate (HSDP, where replicate > 1), then the FSDP axis (dp_shard, or
+    dp_shard_cp where cp > 1: FSDP shards over dp_shard × cp), then tp; at tp = 1 no TP is applied
+    and there is no tp axis. Each parameter is replicated over dp_replicate, sharded over the FSDP
+    axis, each local shard at most ceil(numel / (dp·cp·tp)) where tp shards it, else
+    ceil(numel / (dp·cp)); the embedding, lm_head and projections are sharded over tp."""
     fsdp = "dp_shard_cp" if cp > 1 else "dp_shard"
-    names = (fsdp, "tp") if tp > 1 else (fsdp,)
-    dp = dp * cp
+    names = (*(("dp_replicate",) if replicate > 1 else ()), fsdp, *(("tp",) if tp > 1 else ()))
+    shards = dp * cp
     for name, param in model.named_parameters():
         states = optimizer.state[param]
         for label, tensor in [("param", param), ("grad", param.grad), *states.items()]:
@@ -433,11 +452,17 @@ def check_sharding(
                 f"{label} of {name}: {tensor.device_mesh}"
             )
             assert tensor.placements == param.placements, f"{label} of {name}: {tensor.placements}"
-        tp_sharded = tp > 1 and isinstance(param.placements[1], Shard)
-        bound = math.ceil(param.numel() / (dp * tp if tp_sharded else dp))
+        placements = dict(zip(names, param.placements, strict=True))
+        if replicate > 1:
+            assert placements["dp_replicate"] == Replicate(), f"{name}: {param.placements}"
+        assert isinstance(placements[fsdp], SHARDS), f"{name}: {param.placements}"
+        tp_sharded = tp > 1 and isinstance(placements["tp"], SHARDS)
+        bound = math.ceil(param.numel() / (shards * tp if tp_sharded else shards))
         assert param.to_local().numel() <= bound, f"{name}: {param.to_local().numel()} > {bound}"
         if any(key in name for key in ("embed_tokens", "lm_head", "proj")):
-            assert tp == 1 or tp_sharded, f"{name} is not sharded over tp: {param.placements}"
+            assert tp == 1 or isinstance(placements["tp"], Shard), (
+                f"{name} is not sharded over tp: {param.placements}"
+            )
 
 
 def one_backward(model: torch.nn.Module) -> None:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, fixed_batch, read_metrics, run, save_tiny_llama, torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dtrain.checkpoint import COMPLETE, find_resume_path
 from dtrain.config import CheckpointConfig, ConfigError
+from tests.helpers import fixed_batch, read_metrics, run, save_tiny_llama, torchrun, worker
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +22,9 @@ def runs(tmp_path_factory):
     untied = save_tiny_llama(root / "untied", tied=False, seed=1)
     tied = save_tiny_llama(root / "tied", tied=True, seed=2)
     save_tiny_llama(root / "sharded", tied=False, seed=3, max_shard_size="100KB")
-    worker = str(ROOT / "tests" / "workers" / "checkpoint_runs.py")
+    args = ["--out", str(root), "--untied", str(untied), "--tied", str(tied)]
     for nproc in (4, 1):
-        result = torchrun(nproc, worker, "--out", str(root), "--untied", str(untied), "--tied", str(tied))
+        result = torchrun(nproc, *worker("checkpoint_runs"), *args)
         assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
     saved = {path.stem: torch.load(path) for path in root.glob("*.pt")}
     return root, saved
@@ -34,6 +34,7 @@ def losses(history, steps):
     return [h["loss"] for h in history if h["step"] in steps]
 
 
+@pytest.mark.slow
 def test_checkpoint_folder_is_complete(runs):
     root, _ = runs
     step4 = root / "checkpoints" / "step-00000004"
@@ -43,6 +44,7 @@ def test_checkpoint_folder_is_complete(runs):
     assert find_resume_path(CheckpointConfig(resume="auto"), root / "checkpoints").name == "step-00000008"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,rtol", [("resume_2x2", 1e-6), ("resume_1x4", 1e-5), ("resume_4x1", 1e-5), ("resume_1x1", 1e-5)]
 )
@@ -57,6 +59,7 @@ def test_resume_continues_the_uninterrupted_curve(runs, name, rtol):
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)  # the schedule resumed too
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["untied", "tied"])
 def test_export_loads_in_transformers_with_the_same_logits(runs, kind):
     root, saved = runs
@@ -76,6 +79,7 @@ def test_export_loads_in_transformers_with_the_same_logits(runs, kind):
     assert not (folder / "sharded").exists()
 
 
+@pytest.mark.slow
 def test_other_architecture_is_refused_naming_the_tensor(runs):
     _, saved = runs
     error = saved["other_arch"]["error"]
@@ -92,6 +96,7 @@ def test_explicit_missing_or_incomplete_checkpoint_is_an_error(tmp_path):
     assert find_resume_path(CheckpointConfig(resume="auto"), tmp_path) is None
 
 
+@pytest.mark.slow
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_to_resume(tmp_path):
     """The process is SIGKILLed after writing step 4's files, before marking them complete.
     The uninterrupted reference saves asynchronously, and one of its checkpoints is resumed too."""
@@ -135,6 +140,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_to_resume(tmp_pa
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in expected[4:]], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_export_cli_writes_a_loadable_folder(runs, tmp_path):
     root, saved = runs
     out = tmp_path / "exported"
@@ -153,6 +159,7 @@ def test_export_cli_writes_a_loadable_folder(runs, tmp_path):
     assert missing.returncode == 2 and "not a complete dtrain checkpoint" in missing.stdout
 
 
+@pytest.mark.slow
 def test_a_failed_write_keeps_the_previous_checkpoint_and_says_what_failed(tmp_path):
     args = ["-m", "dtrain.sft", "parallel.tp=1", "train.max_steps=4", "checkpoint.every=2"]
     result = torchrun(2, *args, f"hydra.run.dir={tmp_path}", env={"DTRAIN_TEST_FAIL_SAVE": "4"}, timeout=300)
@@ -164,6 +171,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_says_what_failed(tmp_p
     assert find_resume_path(CheckpointConfig(resume="auto"), checkpoints).name == "step-00000002"
 
 
+@pytest.mark.slow
 def test_a_sharded_hf_folder_imports_slice_by_slice(runs):
     """save_pretrained with a small max_shard_size: several safetensors files and an index."""
     root, saved = runs

@@ -7,7 +7,10 @@ import re
 import sys
 
 import pytest
-from helpers import ROOT, read_metrics, run, torchrun
+
+from tests.helpers import ROOT, read_metrics, run, torchrun
+
+pytestmark = pytest.mark.slow  # every test launches processes
 
 SFT = ["-m", "dtrain.sft"]
 

@@ -13,7 +13,6 @@ import datasets
 import pyarrow as pa
 import pytest
 import torch
-from helpers import DATASET, TOKENIZER, parity_config, read_metrics, run, torchrun
 from transformers import AutoTokenizer
 
 from dtrain.config import ConfigError, DataConfig, check_config
@@ -32,6 +31,7 @@ from dtrain.data.loader import SFTLoader, eval_micro_batches
 from dtrain.data.pipeline import prepare, to_rows
 from dtrain.data.sources import load_split
 from dtrain.model import load_model_config
+from tests.helpers import DATASET, TOKENIZER, parity_config, read_metrics, run, torchrun
 
 TEMPLATE = (TOKENIZER / "chat_template.jinja").read_text()
 NO_MARKERS = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
@@ -361,6 +361,7 @@ def cli(tmp_path, records, overrides, nproc: int = 1) -> tuple[int, str]:
     return result.returncode, result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,nproc", [(case, 1) for case in BAD_INPUT] + [("malformed JSON", 2)])
 def test_bad_input_fails_through_the_cli_with_its_message(tmp_path, case, nproc):
     """With 2 processes the error found while rank 0 prepares the data reaches the other rank too:
@@ -381,6 +382,7 @@ def test_bad_input_fails_through_the_cli_with_its_message(tmp_path, case, nproc)
     ],
     ids=["unknown key", "wrong type"],
 )
+@pytest.mark.slow
 def test_a_bad_mix_entry_fails_through_the_cli_naming_its_key(tmp_path, entry, message):
     """data.mix entries are checked with the rest of the config, before any process group: exit 2
     and one line naming data.mix[i].KEY (OmegaConf's own multi-line report does not reach the user)."""
@@ -391,6 +393,7 @@ def test_a_bad_mix_entry_fails_through_the_cli_naming_its_key(tmp_path, entry, m
     assert "full_key" not in output and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_empty_and_truncated_responses_are_dropped_counted_and_packed_training_evaluates(tmp_path):
     records = RECORDS * 2 + [{"prompt": "q", "response": ""}, {"prompt": "x " * 40, "response": "y"}]
     overrides = ["data.packing=true", "data.eval_fraction=0.1", "train.eval_every=1"]

@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from estimate_scenarios import SCENARIOS, WORLD
-from helpers import ROOT
+
+from tests.estimate_scenarios import SCENARIOS, WORLD
+from tests.helpers import ROOT, worker
 
 ESTIMATE = [sys.executable, "-m", "dtrain.estimate"]
 LLAMA3_TP4 = ["+experiment=llama3_tp4", "estimate.world_size=4"]
@@ -52,7 +53,7 @@ def runs(tmp_path_factory):
                 "torch.distributed.run",
                 "--standalone",
                 f"--nproc_per_node={WORLD}",
-                str(ROOT / "tests" / "workers" / "estimate_real.py"),
+                *worker("estimate_real"),
                 "--out",
                 str(out),
             ]
@@ -69,6 +70,7 @@ def runs(tmp_path_factory):
     return outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_model_state_equals_the_real_sharded_tensors(runs, name):
     planned = json.loads(runs[f"plan:{name}"])["per_rank"]
@@ -77,6 +79,7 @@ def test_model_state_equals_the_real_sharded_tensors(runs, name):
         assert planned[key] == real[key], key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_peak_within_10_percent_of_a_real_run(runs, name):
     planned = json.loads(runs[f"plan:{name}"])
@@ -87,12 +90,14 @@ def test_peak_within_10_percent_of_a_real_run(runs, name):
     assert planned["per_rank"]["peak"] == pytest.approx(real["peak"], rel=0.10)
 
 
+@pytest.mark.slow
 def test_cli_prints_a_table(runs):
     table = runs["table"]
     for words in ("world 4 = dp_shard 1 × tp 4", "peak", "verdict: FITS in 80 GiB", "ZeRO-2 + AutoTP"):
         assert words in table, words
 
 
+@pytest.mark.slow
 def test_cli_json_agrees_with_the_sharding_and_the_zero_figures(runs):
     plan = json.loads(runs["json"])
     assert plan["experiment"]["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 4}
@@ -123,12 +128,14 @@ def test_zero2_autotp_at_tp2_matches_the_design_figure():
     assert by_name["ZeRO-2 + AutoTP"].model_state / 1e9 == pytest.approx(40.9, abs=0.05)
 
 
+@pytest.mark.slow
 def test_missing_world_size_names_the_key():
     result = subprocess.run([*ESTIMATE], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "estimate.world_size: required" in result.stderr
 
 
+@pytest.mark.slow
 def test_sft_rejects_estimate_keys(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "dtrain.sft", "estimate.world_size=4", f"hydra.run.dir={tmp_path}"],
@@ -142,6 +149,7 @@ def test_sft_rejects_estimate_keys(tmp_path):
     assert "estimate" in result.stderr
 
 
+@pytest.mark.slow
 def test_gpu_check_script_plans_on_cpu():
     """bench/gpu_estimate_check.py needs a GPU for its real half; its planning half runs anywhere."""
     script = Path(ROOT / "bench" / "gpu_estimate_check.py")

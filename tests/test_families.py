@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FAMILIES, MAX_LEN, TINY
 from transformers import AutoConfig
 from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
 
 from dtrain.attention import dense_mask, set_backend
 from dtrain.model import build_meta_model, init_weights, reset_rotary_buffers
+from tests.helpers import FAMILIES, MAX_LEN, TINY
 
 
 def hf_window_mask(seq: int, window: int) -> torch.Tensor:

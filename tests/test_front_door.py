@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 import yaml
-from helpers import (
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.helpers import (
     USER_ARCHITECTURE,
     chat_rows,
     read_metrics,
@@ -22,7 +24,8 @@ from helpers import (
     user_rows,
     write_user_dataset,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer
+
+pytestmark = pytest.mark.slow  # every test launches processes
 
 SFT = ["-m", "dtrain.sft"]
 

@@ -8,26 +8,28 @@ from __future__ import annotations
 import sys
 
 import pytest
-from helpers import ROOT, parity_config, read_metrics, run, torchrun
 
 from dtrain.config import ConfigError, check_config
 from dtrain.estimate.app import compose
 from dtrain.estimate.planner import plan
 from dtrain.model import load_model_config
+from tests.helpers import parity_config, read_metrics, run, torchrun, worker
 
-WORKER = str(ROOT / "tests" / "workers" / "fused_runs.py")
+WORKER = worker("fused_runs")
 # The memory constant (docs/estimate.md): the loss's temporaries are at most this many fp32 logits
 # chunks (rows × local vocabulary × 4 bytes).
 CHUNKS_OF_LOGITS = 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2, 4], ids=["1x1", "1x2", "2x2+tied2x2"])
 def test_fused_loss_matches_the_dense_loss(tmp_path, nproc):
     done = tmp_path / "done"
-    result = torchrun(nproc, WORKER, "--done", str(done), timeout=400)
+    result = torchrun(nproc, *WORKER, "--done", str(done), timeout=400)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
 
 
+@pytest.mark.slow
 def test_cli_trains_with_the_fused_loss_as_with_the_dense_one(tmp_path):
     losses = {}
     for impl in ("dense", "fused"):
@@ -40,6 +42,7 @@ def test_cli_trains_with_the_fused_loss_as_with_the_dense_one(tmp_path):
     assert losses["fused"] == pytest.approx(losses["dense"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_cli_refuses_an_unknown_loss_impl(tmp_path):
     command = [sys.executable, "-m", "dtrain.sft", "parallel.loss_impl=sparse", "parallel.tp=1"]
     command += [f"hydra.run.dir={tmp_path}"]
@@ -72,6 +75,7 @@ def test_chunked_losses_refuse_a_family_whose_head_they_do_not_know(impl):
     check_config(config, 1, model_config)
 
 
+@pytest.mark.slow
 def test_planner_fused_peak_and_loss_temporaries_on_the_motivating_head():
     """The motivating run (Llama-3-8B, tp=4, micro batch 4 × 2048, bf16, full checkpointing) with 2
     of its 32 layers (the loss sees the same hidden states, head and labels; the plan is 15× cheaper):

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import TOKENIZER
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dtrain.config import ConfigError, DataConfig
 from dtrain.data.formats import EMPTY, KEPT, NO_TARGET, OVERLONG, load_tokenizer, tokenize_example
 from dtrain.data.pipeline import prepare
+from tests.helpers import TOKENIZER
 
 MAX_LEN = 24
 STATUSES = {*KEPT, EMPTY, NO_TARGET, OVERLONG}

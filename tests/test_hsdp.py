@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ROOT, STEPS, save_tiny_llama, torchrun
-from test_parity import RTOL, reference_run, relative_error
 
 from dtrain.config import ConfigError, MeshShape, ParallelConfig, mesh_shape
+from tests.helpers import STEPS, save_tiny_llama, torchrun, worker
+from tests.test_parity import RTOL, reference_run, relative_error
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,9 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("hsdp_runs")
-    worker = str(ROOT / "tests" / "workers" / "hsdp_runs.py")
     untied = str(models["untied"])
-    result = torchrun(8, worker, "--out", str(out), "--untied", untied, "--tied", untied, timeout=600)
+    args = ["--out", str(out), "--untied", untied, "--tied", untied]
+    result = torchrun(8, *worker("hsdp_runs"), *args, timeout=600)
     assert result.returncode == 0, f"8 processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 
@@ -42,6 +42,7 @@ def packed_reference(models):
     return reference_run(models["untied"], packed=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,reference_name", [("hsdp", "reference"), ("cp", "packed_reference")])
 def test_2x2x2_matches_single_process_hf(runs, request, name, reference_name):
     """HSDP 2×2×2 (dp_replicate, dp_shard, tp) on plain rows, and dp 2 × cp 2 × tp 2 on packed rows
@@ -61,6 +62,7 @@ def test_2x2x2_matches_single_process_hf(runs, request, name, reference_name):
         assert relative_error(trained[param_name], param.detach()) < rtol, param_name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,steps,full_run",
     [
@@ -83,6 +85,7 @@ def test_checkpoint_reshards_between_meshes(runs, name, steps, full_run):
         assert record["lr"] == pytest.approx(expected["lr"], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_unplanned_linear_is_refused_by_the_coverage_check(runs):
     error = runs["unplanned"]["error"]
     assert error is not None, "parallelize accepted a Linear that no TP style covers"

@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, read_metrics, run
+
+from tests.helpers import ROOT, read_metrics, run
+
+pytestmark = pytest.mark.slow  # every test launches processes
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ROOT, read_metrics, run, torchrun, wandb_records
+
+from tests.helpers import ROOT, read_metrics, run, torchrun, wandb_records
 
 # Two ranks, dp=2, a curve that moves from step 1 (no warm-up) and two schedules to tell jobs apart.
 COMMON = ["train.max_steps=3", "train.log_every=1", "optim.warmup_steps=0", "parallel.tp=1"]
@@ -41,6 +42,7 @@ def sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return folder, result
 
 
+@pytest.mark.slow
 def test_sweep_runs_every_job_in_its_own_folder_on_one_process_group(sweep):
     folder, result = sweep
     assert sorted(p.name for p in folder.iterdir()) == ["0", "1", "2", "multirun.yaml"]  # no rank folders
@@ -55,6 +57,7 @@ def test_sweep_runs_every_job_in_its_own_folder_on_one_process_group(sweep):
     assert result.stdout.count("Launching 3 jobs locally") == 1  # one Hydra sweep, not one per rank
 
 
+@pytest.mark.slow
 def test_a_failed_job_is_recorded_and_the_sweep_goes_on(sweep):
     folder, result = sweep
     failed = status(folder / "2")
@@ -65,6 +68,7 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(sweep):
     assert "job 2 (" in result.stdout and "failed: optim.schedule='bogus'" in result.stdout
 
 
+@pytest.mark.slow
 def test_each_job_is_its_own_wandb_run_grouped_by_sweep(sweep):
     folder, _ = sweep
     for job in ("0", "1"):
@@ -76,6 +80,7 @@ def test_each_job_is_its_own_wandb_run_grouped_by_sweep(sweep):
         assert logged == losses(folder / job)
 
 
+@pytest.mark.slow
 def test_stop_ends_the_sweep_at_the_failed_job(tmp_path):
     args = sft("optim.schedule=bogus,cosine", "train.sweep_on_failure=stop", multirun=True)
     result = run([sys.executable, *args, f"hydra.sweep.dir={tmp_path}"], timeout=120)
@@ -85,6 +90,7 @@ def test_stop_ends_the_sweep_at_the_failed_job(tmp_path):
     assert not (tmp_path / "1").exists()
 
 
+@pytest.mark.slow
 def test_submitit_local_sweep_with_two_tasks_per_job(sweep, tmp_path):
     """hydra/launcher=submitit_local: each job is 2 processes that take their ranks from submitit,
     and trains the same curve as the torchrun sweep's job."""
@@ -110,6 +116,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback_match_one_node(sweep, tmp_path):
     """Two torchrun agents (--nnodes=2, one process each) meet through c10d on 127.0.0.1."""
     reference, _ = sweep

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
-from helpers import read_metrics, run, torchrun, wandb_records
 
 from dtrain.sinks import ConsoleSink, wandb_credentials
+from tests.helpers import read_metrics, run, torchrun, wandb_records
 
 STEPS, LOG_EVERY = 4, 2
 FIGURES = [
@@ -48,6 +48,7 @@ def run_2x2(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_metrics_jsonl_holds_every_figure(run_2x2):
     records = read_metrics(run_2x2)
     assert [r["step"] for r in records] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
@@ -63,6 +64,7 @@ def test_metrics_jsonl_holds_every_figure(run_2x2):
         assert record["mem_rss_gib"] > 0.05  # a python process with torch: well over 50 MiB
 
 
+@pytest.mark.slow
 def test_start_summary_and_credentials_line(run_2x2):
     log = (run_2x2 / "sft.log").read_text()
     assert log.count("W&B: no credentials") == 1
@@ -73,6 +75,7 @@ def test_start_summary_and_credentials_line(run_2x2):
     assert "mesh {'dp_shard': 2, 'tp': 2}" in summary and "1 accumulation steps" in summary
 
 
+@pytest.mark.slow
 def test_offline_wandb_run_holds_the_same_losses_and_the_config(run_2x2):
     (run_file,) = (run_2x2 / "wandb").glob("offline-run-*/run-*.wandb")
     history, config = {}, {}
@@ -95,6 +98,7 @@ def test_offline_wandb_run_holds_the_same_losses_and_the_config(run_2x2):
     assert "experiment" in config["hydra"]
 
 
+@pytest.mark.slow
 def test_plot_draws_a_sweep_folder(run_2x2, tmp_path):
     for job, lr in enumerate(["1e-3", "5e-4"]):  # a sweep folder's layout: SWEEP/JOB/{metrics,.hydra}
         (tmp_path / str(job) / ".hydra").mkdir(parents=True)

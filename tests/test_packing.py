@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
-from helpers import ROOT, torchrun
 
 from dtrain.data.packing import build_row, efficiency, pack
 from dtrain.loss import IGNORE
+from tests.helpers import torchrun, worker
 
 
+@pytest.mark.slow
 def test_packed_rows_on_the_mesh_match_one_by_one_and_keep_documents_apart(tmp_path):
     done = tmp_path / "done"
-    worker = str(ROOT / "tests" / "workers" / "packing_mesh.py")
-    result = torchrun(4, worker, "--done", str(done), timeout=300)
+    result = torchrun(4, *worker("packing_mesh"), "--done", str(done), timeout=300)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
 
 

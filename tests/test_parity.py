@@ -1,8 +1,9 @@
 """Numerics on every mesh against a single-process Hugging Face reference (fp32, gloo).
 
-The mesh runs (tests/workers/mesh_runs.py) train through dtrain's real trainer on 1, 2 and 4
-processes; the reference here is `from_pretrained` + a plain PyTorch loop over the same global
-batches in one micro-batch, so accumulation, sharding and loss parallel must all be exact.
+The mesh runs (tests/workers/mesh_runs.py) train through dtrain's real trainer on 1 and 4 processes
+(1x4 and 4x1 stand for 1x2 and 2x1); the reference here is `from_pretrained` + a plain PyTorch loop
+over the same global batches in one micro-batch, so accumulation, sharding and loss parallel must all
+be exact.
 """
 
 from __future__ import annotations
@@ -12,11 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+from dtrain.config import TrainConfig
+from dtrain.data.pipeline import build_data
+from dtrain.loss import IGNORE
+from dtrain.parallel.context import local_token_indices
+from tests.helpers import (
     FAMILIES,
     GLOBAL_BATCH,
     MAX_LEN,
-    ROOT,
     STEPS,
     TOKENIZER,
     cross_rank_row,
@@ -26,14 +33,8 @@ from helpers import (
     save_tiny_family,
     save_tiny_llama,
     torchrun,
+    worker,
 )
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
-
-from dtrain.config import TrainConfig
-from dtrain.data.pipeline import build_data
-from dtrain.loss import IGNORE
-from dtrain.parallel.context import local_token_indices
 
 RTOL = 1e-5
 MESH_RUNS = {
@@ -59,11 +60,10 @@ def models(tmp_path_factory):
 def mesh_runs(models, tmp_path_factory):
     """All scenarios: one torchrun per world size, each sharing its process group across scenarios."""
     out = tmp_path_factory.mktemp("mesh_runs")
-    worker = str(ROOT / "tests" / "workers" / "mesh_runs.py")
     for nproc in (1, 4):
         args = ["--out", str(out), "--untied", str(models["untied"]), "--tied", str(models["tied"])]
         args += ["--families", str(models["qwen2"].parent)]
-        result = torchrun(nproc, worker, *args, timeout=400)
+        result = torchrun(nproc, *worker("mesh_runs"), *args, timeout=400)
         assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 
@@ -147,6 +147,7 @@ def test_packed_documents_cross_the_cp_chunk_borders(models):
     assert any(row_docs > 1 for row_docs in torch.bincount(torch.tensor([s[0] for s in documents(batch)])))
 
 
+@pytest.mark.slow
 def test_cp_rank_zero_attends_to_the_tokens_the_other_ranks_hold(models, mesh_runs):
     """At cp = 4, rank 0's own summed loss on one row (its chunks 0 and 7) is HF's on the whole row
     at those tokens, and it moves when a token only rank 3 holds changes; attending to rank 0's own
@@ -179,6 +180,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,name", [(k, n) for k, names in MESH_RUNS.items() for n in names])
 def test_loss_grad_norm_and_weights_match_single_process_hf(mesh_runs, references, kind, name):
     losses, norms, params = references[kind]
@@ -201,6 +203,7 @@ def test_loss_grad_norm_and_weights_match_single_process_hf(mesh_runs, reference
         assert relative_error(trained[param_name], param.detach()) < rtol, param_name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,name", [("untied", "2x2"), ("tied", "2x2_tied")])
 def test_loaded_checkpoint_gives_from_pretrained_logits(models, mesh_runs, kind, name):
     model = AutoModelForCausalLM.from_pretrained(
@@ -212,11 +215,13 @@ def test_loaded_checkpoint_gives_from_pretrained_logits(models, mesh_runs, kind,
     assert relative_error(mesh_runs[name]["logits"], expected) < RTOL
 
 
+@pytest.mark.slow
 def test_tied_embeddings_stay_tied(mesh_runs):
     for name in MESH_RUNS["tied"]:
         assert "lm_head.weight" not in mesh_runs[name]["params"], name  # one shared parameter
 
 
+@pytest.mark.slow
 def test_random_init_is_the_same_on_every_mesh(mesh_runs):
     single, sharded = mesh_runs["1x1_random"], mesh_runs["2x2_random"]
     assert set(single["init"]) == set(sharded["init"])
@@ -228,6 +233,7 @@ def test_random_init_is_the_same_on_every_mesh(mesh_runs):
         assert a["loss"] == pytest.approx(b["loss"], rel=RTOL)
 
 
+@pytest.mark.slow
 def test_bf16_tracks_fp32_and_keeps_fp32_master_weights(mesh_runs, references):
     """bf16 compute cannot match to 1e-5; it must stay close and train the same model."""
     losses, _, params = references["untied"]
@@ -240,6 +246,7 @@ def test_bf16_tracks_fp32_and_keeps_fp32_master_weights(mesh_runs, references):
     assert relative_error(trained[name], params[name].detach()) < 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_export_of_the_trained_family_gives_its_logits_in_transformers(mesh_runs, family):
     """Exported at the end of the 2x2 run: from_pretrained reads the HF layout (Phi-3's fused
@@ -254,6 +261,7 @@ def test_export_of_the_trained_family_gives_its_logits_in_transformers(mesh_runs
     assert relative_error(logits, run["trained_logits"]) < RTOL
 
 
+@pytest.mark.slow
 def test_gemma3_packed_rows_with_a_short_window_match_hf_on_each_document(models, mesh_runs):
     """tp=2, packed: every document longer than the sliding window; HF's own sliding-window
     attention (sdpa, its mask) on each document alone is the reference."""
@@ -270,6 +278,7 @@ def test_gemma3_packed_rows_with_a_short_window_match_hf_on_each_document(models
         assert relative_error(packed[start:stop], alone) < RTOL, (start, stop)
 
 
+@pytest.mark.slow
 def test_olmo2_whole_width_q_norm_at_tp2_is_the_unsharded_norm(models, mesh_runs):
     """Layer 0's q_norm output at tp=2 (each rank: half the columns) against HF's unsharded one; a
     norm over each rank's columns alone (computed here from HF's q_proj output) is far from it."""

@@ -12,7 +12,6 @@ import sys
 import datasets
 import pytest
 import torch
-from helpers import MAX_LEN, ROOT, TINY, parity_config, run, torchrun
 
 import dtrain.attention
 from dtrain.attention import set_backend
@@ -20,24 +19,28 @@ from dtrain.config import ConfigError, check_config
 from dtrain.data.loader import Rows, SFTLoader
 from dtrain.estimate.planner import plan
 from dtrain.model import build_meta_model, init_weights, load_model_config, reset_rotary_buffers
+from tests.helpers import MAX_LEN, ROOT, TINY, parity_config, run, torchrun, worker
 
-WORKER = str(ROOT / "tests" / "workers" / "perf_mesh.py")
+WORKER = worker("perf_mesh")
 
 
+@pytest.mark.slow
 def test_chunked_loss_checkpointing_and_resharding_keep_the_numerics_on_2x2(tmp_path):
     done = tmp_path / "done"
-    result = torchrun(4, WORKER, "--done", str(done), timeout=300)
+    result = torchrun(4, *WORKER, "--done", str(done), timeout=300)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
 
 
+@pytest.mark.slow
 def test_tp1_fast_path_compile_and_selective_recomputation_on_1x1(tmp_path):
     """One process. Inductor compiles on the CPU (g++); one compile worker, not a pool of them."""
     done = tmp_path / "done"
     env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    result = run([sys.executable, WORKER, "--single", "--done", str(done)], timeout=300, env=env)
+    result = run([sys.executable, *WORKER, "--single", "--done", str(done)], timeout=300, env=env)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
 
 
+@pytest.mark.slow
 def test_flex_attention_on_packed_rows_matches_sdpa_with_the_document_mask(monkeypatch):
     """The CUDA path for packed rows (flex attention, block mask from the document ids), run eagerly
     on the CPU (forward only: flex has no CPU backward), against the sdpa path every other device
@@ -83,6 +86,7 @@ def test_flex_attention_on_packed_rows_matches_sdpa_with_the_document_mask(monke
     torch._dynamo.reset()  # leave no compiled code to the tests after this one
 
 
+@pytest.mark.slow
 def test_planner_shows_the_chunked_loss_saving():
     """The planner runs the trainer's step: with loss_chunk the logits alive at once drop by the chunk
     factor (local sequence / chunk) and so does the step's peak (the logits dominate a tiny model)."""
@@ -137,6 +141,7 @@ def test_bad_perf_settings_name_the_key(key, value):
         check_config(config, 1, load_model_config(config.model))
 
 
+@pytest.mark.slow
 def test_bench_prints_one_table_of_every_variant():
     """Smoke plus the table's own arithmetic (no timed assertion): one invocation, one row per
     variant (the HF Trainer one, or why it did not run), a 2-process mesh from torchrun workers."""
@@ -177,6 +182,7 @@ print(faults() - before)
 """
 
 
+@pytest.mark.slow
 def test_cpu_training_reuses_freed_host_memory_instead_of_faulting_it_in_again():
     """keep_freed_host_memory (init_distributed on CPU) against glibc's default, by the kernel's own
     count of page faults: a logits-sized block allocated again after a free."""

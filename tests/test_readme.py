@@ -14,7 +14,8 @@ import shlex
 import sys
 
 import pytest
-from helpers import ROOT, run, save_user_model, write_user_dataset
+
+from tests.helpers import ROOT, run, save_user_model, write_user_dataset
 
 COVERED_ELSEWHERE = {"./launch/local.sh", "./scripts/test.sh"}
 TINY_RUN = ["train.max_steps=2"]
@@ -89,6 +90,7 @@ def as_run_here(command: str, index: int, fixtures: dict[str, str]) -> list[str]
     return args
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(RUNNABLE)), ids=[c[:60] for c in RUNNABLE])
 def test_readme_command_runs(workdir, index):
     folder, fixtures = workdir

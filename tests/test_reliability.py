@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, read_metrics, torchrun
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dtrain.checkpoint import COMPLETE
+from tests.helpers import ROOT, read_metrics, torchrun
+
+pytestmark = pytest.mark.slow  # every test launches processes
 
 STEPS = 6
 ARGS = [

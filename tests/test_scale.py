@@ -8,14 +8,17 @@ import json
 import sys
 
 import pytest
-from helpers import ROOT, run
+
+from tests.helpers import run, worker
+
+pytestmark = pytest.mark.slow  # every test launches processes
 
 LLAMA3_8B = "meta-llama/Meta-Llama-3-8B"  # planned offline from the architecture dtrain ships
 
 
 @pytest.fixture(scope="module")
 def plans():
-    result = run([sys.executable, str(ROOT / "tests" / "workers" / "plan_8b.py"), LLAMA3_8B], timeout=300)
+    result = run([sys.executable, *worker("plan_8b"), LLAMA3_8B], timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 

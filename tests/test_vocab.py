@@ -10,13 +10,13 @@ import logging
 
 import pytest
 import torch
-from helpers import ROOT, TINY, TOKENIZER, fixed_batch, parity_config, torchrun
-from test_parity import RTOL, reference_run, relative_error
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dtrain.config import ConfigError, check_config
 from dtrain.model import build_meta_model, load_model_config
 from dtrain.parallel.vocab import mask_padded_logits, padded_vocab_size
+from tests.helpers import TINY, TOKENIZER, fixed_batch, parity_config, torchrun, worker
+from tests.test_parity import RTOL, reference_run, relative_error
 
 VOCAB, PADDED = 1025, 1026  # the tokenizer's 1024 tokens and one added; tp=2 pads one row
 RUNS = {"pad": "untied", "pad_tied_chunk": "tied"}  # the second with parallel.loss_chunk
@@ -73,9 +73,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def out(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("vocab_runs")
-    worker = str(ROOT / "tests" / "workers" / "vocab_runs.py")
     args = ["--out", str(out), "--untied", str(models["untied"]), "--tied", str(models["tied"])]
-    result = torchrun(4, worker, *args, timeout=400)
+    result = torchrun(4, *worker("vocab_runs"), *args, timeout=400)
     assert result.returncode == 0, result.stdout[-6000:]
     return out
 
@@ -90,6 +89,7 @@ def references(models):
     return {kind: reference_run(path, STEPS) for kind, path in models.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
 def test_padded_training_matches_the_unpadded_hf_model(runs, references, name):
     losses, norms, params = references[RUNS[name]]
@@ -112,6 +112,7 @@ def test_padded_training_matches_the_unpadded_hf_model(runs, references, name):
     assert logits.shape[-1] == PADDED and torch.isneginf(logits[..., VOCAB:]).all()
 
 
+@pytest.mark.slow
 def test_resume_from_the_padded_checkpoint_on_another_tp(runs):
     uninterrupted, resumed = runs["pad"]["history"], runs["resume_4x1"]["history"]
     assert [h["step"] for h in resumed] == list(range(CHECKPOINT + 1, STEPS + 1))
@@ -119,6 +120,7 @@ def test_resume_from_the_padded_checkpoint_on_another_tp(runs):
         assert b["loss"] == pytest.approx(a["loss"], rel=RTOL), b["step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "folder,name", [("pad/hf", "pad"), ("pad_tied_chunk/hf", "pad_tied_chunk"), ("hf_checkpoint", "pad")]
 )

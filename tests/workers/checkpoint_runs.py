@@ -4,22 +4,16 @@ checkpoint into another architecture. Rank 0 saves `<out>/<name>.pt`."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from helpers import full_logits, parity_config, save_results, sharded_model, worker_args  # noqa: E402
-
-from dtrain.config import ConfigError, check_config  # noqa: E402
-from dtrain.data.formats import load_tokenizer  # noqa: E402
-from dtrain.distributed import init_distributed  # noqa: E402
-from dtrain.export import export_hf  # noqa: E402
-from dtrain.model import load_model_config  # noqa: E402
-from dtrain.trainer import train  # noqa: E402
+from dtrain.config import ConfigError, check_config
+from dtrain.data.formats import load_tokenizer
+from dtrain.distributed import init_distributed
+from dtrain.export import export_hf
+from dtrain.model import load_model_config
+from dtrain.trainer import train
+from tests.helpers import full_logits, parity_config, save_results, sharded_model, worker_args
 
 STEPS = 8
 

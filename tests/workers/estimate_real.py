@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -19,20 +18,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from estimate_scenarios import SCENARIOS  # noqa: E402
-from helpers import sharded_model  # noqa: E402
-
-from dtrain.data.formats import load_tokenizer  # noqa: E402
-from dtrain.data.pipeline import build_data  # noqa: E402
-from dtrain.distributed import init_distributed  # noqa: E402
-from dtrain.estimate.app import compose  # noqa: E402
-from dtrain.estimate.measure import track_step  # noqa: E402
-from dtrain.loss import IGNORE  # noqa: E402
-from dtrain.model import tokenizer_source  # noqa: E402
-from dtrain.optim import build_optimizer  # noqa: E402
-from dtrain.step import micro_step, optimizer_step  # noqa: E402
+from dtrain.data.formats import load_tokenizer
+from dtrain.data.pipeline import build_data
+from dtrain.distributed import init_distributed
+from dtrain.estimate.app import compose
+from dtrain.estimate.measure import track_step
+from dtrain.loss import IGNORE
+from dtrain.model import tokenizer_source
+from dtrain.optim import build_optimizer
+from dtrain.step import micro_step, optimizer_step
+from tests.estimate_scenarios import SCENARIOS
+from tests.helpers import sharded_model
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

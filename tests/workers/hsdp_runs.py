@@ -15,29 +15,20 @@ Rank 0 saves `<out>/<name>.pt`; a failed invariant exits non-zero.
 
 from __future__ import annotations
 
-import math
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dtrain.config import check_config
+from dtrain.distributed import build_parallel, init_distributed
+from dtrain.model import build_meta_model, canonical_name, load_model_config
+from dtrain.parallel.parallelize import parallelize
+from dtrain.trainer import train
+from tests.helpers import check_sharding, one_backward, parity_config, save_results, worker_args
 
-from helpers import check_sharding, one_backward, parity_config, save_results, worker_args  # noqa: E402
-
-from dtrain.config import check_config  # noqa: E402
-from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
-from dtrain.model import build_meta_model, canonical_name, load_model_config  # noqa: E402
-from dtrain.parallel.parallelize import parallelize  # noqa: E402
-from dtrain.trainer import train  # noqa: E402
-
-HSDP_NAMES = ("dp_replicate", "dp_shard", "tp")
-SHARDS = (Shard, _StridedShard)
 UNPLANNED = "extra_proj"  # tests/test_hsdp.py looks for this name in the error
 
 
@@ -63,26 +54,6 @@ def run(config, name: str, out: Path, device: torch.device, resume_from: Path | 
     return train(config, shape, model_config, device, out / name, resolved, resume_from)
 
 
-def check_hsdp_sharding(model: nn.Module, optimizer: torch.optim.Optimizer, shard: int, tp: int) -> None:
-    """Parameters and AdamW states: DTensors on the 3-D mesh (at tp=1, where no TP is applied, the
-    2-D dp mesh), replicated over dp_replicate, each local shard at most ceil(numel / (dp_shard·tp))
-    where tp shards it."""
-    names = HSDP_NAMES if tp > 1 else HSDP_NAMES[:2]
-    for name, param in model.named_parameters():
-        for label, tensor in [("param", param), *optimizer.state[param].items()]:
-            if label == "step":
-                continue
-            assert isinstance(tensor, DTensor), f"{label} of {name} is not a DTensor"
-            assert tuple(tensor.device_mesh.mesh_dim_names) == names, f"{label} of {name}"
-            assert tensor.placements == param.placements, f"{label} of {name}: {tensor.placements}"
-        assert param.placements[0] == Replicate(), f"{name}: {param.placements}"
-        # dim 0 of a parameter tp shards on dim 0 is a _StridedShard over dp_shard
-        assert isinstance(param.placements[1], SHARDS), f"{name}: {param.placements}"
-        tp_sharded = tp > 1 and isinstance(param.placements[2], SHARDS)
-        bound = math.ceil(param.numel() / (shard * tp if tp_sharded else shard))
-        assert param.to_local().numel() <= bound, f"{name}: {param.to_local().numel()} > {bound}"
-
-
 def unplanned_linear_error(model_dir: Path, device: torch.device) -> str | None:
     """parallelize on a model with one Linear no plan covers; returns the error, None if accepted."""
     config = parity_config(model_dir, 2, 2)
@@ -106,7 +77,8 @@ def main() -> None:
     results = {}
 
     hsdp = run(hsdp_config(args.untied, 2, 2, 2, out, "hsdp"), "hsdp", out, device)
-    check_hsdp_sharding(hsdp.model, hsdp.optimizer, shard=2, tp=2)
+    one_backward(hsdp.model)
+    check_sharding(hsdp.model, hsdp.optimizer, dp=2, tp=2, replicate=2)
     params = {canonical_name(n): p.full_tensor() for n, p in hsdp.model.named_parameters()}
     results["hsdp"] = {"history": hsdp.history, "params": params}
 
@@ -116,7 +88,8 @@ def main() -> None:
 
     step8 = out / "resume_fsdp" / "checkpoints" / "step-00000008"
     back = run(hsdp_config(args.untied, 2, 4, 1, out, "resume_hsdp"), "resume_hsdp", out, device, step8)
-    check_hsdp_sharding(back.model, back.optimizer, shard=4, tp=1)
+    one_backward(back.model)
+    check_sharding(back.model, back.optimizer, dp=4, tp=1, replicate=2)
     results["resume_hsdp"] = {"history": back.history}
 
     cp = run(cp_config(args.untied, 2, 2, 2, out, "cp"), "cp", out, device)

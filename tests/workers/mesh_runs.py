@@ -7,16 +7,18 @@ compares the files with a single-process Hugging Face reference.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from helpers import (  # noqa: E402
+from dtrain.config import check_config
+from dtrain.distributed import build_parallel, init_distributed
+from dtrain.model import canonical_name, load_model_config
+from dtrain.parallel import fused
+from dtrain.parallel.context import shard_sequence
+from dtrain.step import summed_loss
+from dtrain.trainer import train
+from tests.helpers import (
     FAMILIES,
     check_sharding,
     cross_rank_row,
@@ -27,14 +29,6 @@ from helpers import (  # noqa: E402
     sharded_model,
     worker_args,
 )
-
-from dtrain.config import check_config  # noqa: E402
-from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
-from dtrain.model import canonical_name, load_model_config  # noqa: E402
-from dtrain.parallel import fused  # noqa: E402
-from dtrain.parallel.context import shard_sequence  # noqa: E402
-from dtrain.step import summed_loss  # noqa: E402
-from dtrain.trainer import train  # noqa: E402
 
 EXPORT = {"checkpoint.export_hf": True, "checkpoint.export_dtype": "fp32"}
 PACKED = {"data.packing": True}

@@ -11,7 +11,6 @@ Checks, each asserting on every rank (a failure exits non-zero):
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -19,22 +18,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from helpers import parity_config  # noqa: E402
-
-from dtrain.config import ConfigError, TrainConfig, check_config  # noqa: E402
-from dtrain.data.formats import load_tokenizer  # noqa: E402
-from dtrain.data.pipeline import (  # noqa: E402
-    build_data,
-    once_per_machine,  # noqa: E402
-    prepare,
-    to_rows,
-)
-from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
-from dtrain.loss import IGNORE, loss_context, summed_cross_entropy  # noqa: E402
-from dtrain.model import build_meta_model, load_model_config, materialize  # noqa: E402
-from dtrain.parallel.parallelize import parallelize  # noqa: E402
+from dtrain.config import ConfigError, TrainConfig, check_config
+from dtrain.data.formats import load_tokenizer
+from dtrain.data.pipeline import build_data, once_per_machine, prepare, to_rows
+from dtrain.distributed import build_parallel, init_distributed
+from dtrain.loss import IGNORE, loss_context, summed_cross_entropy
+from dtrain.model import build_meta_model, load_model_config, materialize
+from dtrain.parallel.parallelize import parallelize
+from tests.helpers import parity_config
 
 RTOL = 1e-5
 MAX_LEN = 64  # room for rows of 3 to 7 documents of the shipped dataset

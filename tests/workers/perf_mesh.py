@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import sys
 import traceback
 from pathlib import Path
 from unittest import mock
@@ -33,21 +32,15 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from helpers import MAX_LEN, parity_config, sharded_model  # noqa: E402
-
-from dtrain.config import Config, check_config  # noqa: E402
-from dtrain.distributed import init_distributed  # noqa: E402
-from dtrain.loss import (
-    IGNORE,  # noqa: E402
-    loss_context,  # noqa: E402
-)
-from dtrain.model import canonical_name, load_model_config  # noqa: E402
-from dtrain.optim import build_optimizer  # noqa: E402
-from dtrain.reliability import StepGuard  # noqa: E402
-from dtrain.step import micro_step, optimizer_step, summed_loss  # noqa: E402
-from dtrain.trainer import train  # noqa: E402
+from dtrain.config import Config, check_config
+from dtrain.distributed import init_distributed
+from dtrain.loss import IGNORE, loss_context
+from dtrain.model import canonical_name, load_model_config
+from dtrain.optim import build_optimizer
+from dtrain.reliability import StepGuard
+from dtrain.step import micro_step, optimizer_step, summed_loss
+from dtrain.trainer import train
+from tests.helpers import MAX_LEN, parity_config, sharded_model
 
 TOL = 1e-6
 

@@ -6,21 +6,17 @@ logits."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from helpers import full_logits, parity_config, save_results, worker_args  # noqa: E402
-
-from dtrain.config import check_config  # noqa: E402
-from dtrain.distributed import init_distributed  # noqa: E402
-from dtrain.export import export_checkpoint  # noqa: E402
-from dtrain.model import canonical_name, load_model_config  # noqa: E402
-from dtrain.trainer import train  # noqa: E402
+from dtrain.config import check_config
+from dtrain.distributed import init_distributed
+from dtrain.export import export_checkpoint
+from dtrain.model import canonical_name, load_model_config
+from dtrain.trainer import train
+from tests.helpers import full_logits, parity_config, save_results, worker_args
 
 STEPS, CHECKPOINT = 5, 3  # (the suite's time budget) a checkpoint halfway, resumed on another mesh
 
