@@ -12,11 +12,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from dtrain.config import check_config
-from dtrain.distributed import build_parallel, init_distributed
+from dtrain.distributed import Parallel, init_distributed
 from dtrain.model import canonical_name, load_model_config
 from dtrain.parallel import fused
-from dtrain.parallel.context import shard_sequence
-from dtrain.step import summed_loss
+from dtrain.step import local_micro_batch, summed_loss
 from dtrain.trainer import train
 from tests.helpers import (
     FAMILIES,
@@ -93,13 +92,12 @@ def apply_overrides(config: object, overrides: dict) -> None:
 
 
 @torch.no_grad()
-def cp_rank_losses(model: torch.nn.Module, cp_mesh) -> list[float]:
+def cp_rank_losses(model: torch.nn.Module, parallel: Parallel) -> list[float]:
     """Each cp rank's own summed token loss on helpers.cross_rank_row(), as is and with one token
     changed that only the last cp rank holds: [loss, loss with the token changed] of rank 0."""
     losses = []
     for batch in cross_rank_row():
-        shard = shard_sequence({key: value.to(model.device) for key, value in batch.items()}, cp_mesh)
-        losses.append(summed_loss(model, shard).item())
+        losses.append(summed_loss(model, local_micro_batch(batch, parallel)).item())
     return losses
 
 
@@ -133,7 +131,7 @@ def main() -> None:
         if kind in WIDTH_NORMS:
             saved["q_norm"] = q_norm_output(fresh)
         if config.parallel.cp == 4:
-            saved["cp_rank_losses"] = cp_rank_losses(result.model, build_parallel(shape, device)["cp"])
+            saved["cp_rank_losses"] = cp_rank_losses(result.model, result.parallel)
         if kind in PACKED_WINDOW:
             config.data.packing = True
             saved["packed_logits"] = packed_logits(sharded_model(config, device))
