@@ -134,8 +134,8 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW (fused) over the DTensor parameters, with no weight decay on 1-D parameters (norms,
-    biases), and its learning-rate schedule."""
+    """Fused AdamW over the DTensor parameters, with no weight decay on 1-D parameters (norms,
+    biases)."""
 
     lr: float = 2e-5
     """Peak learning rate."""

@@ -81,18 +81,19 @@ experiment runs the tiny Llama in `dtrain/assets/` on the shipped dataset with t
 """
 
 
-def field_docs(source: str) -> dict[tuple[str, str], str]:
+def field_docs(source: str) -> dict[tuple[str, str | None], str]:
     """(class, field) → the field's docstring, else its comments (the lines right above it and the
-    one on its line)."""
+    one on its line); (class, None) → the class's docstring."""
     comments: dict[int, str] = {}
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
             comments[token.start[0]] = token.string.lstrip("#").strip()
     lines = source.splitlines()
-    docs = {}
+    docs: dict[tuple[str, str | None], str] = {}
     for node in ast.parse(source).body:
         if not isinstance(node, ast.ClassDef):
             continue
+        docs[node.name, None] = " ".join((ast.get_docstring(node) or "").split())
         body = node.body
         for index, statement in enumerate(body):
             if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
@@ -210,9 +211,10 @@ class Writer:
         """A `## name` section: the group's docstring, its table, then one per list of dataclasses."""
         subgroups: list[tuple[str, type]] = []
         rows = self.rows(cls, name, [], subgroups)
-        self.sections.append(section(f"## `{name}`", self.meaning(owner, name), rows))
+        intro = " ".join(filter(None, [self.meaning(owner, name), self.docs[cls.__name__, None]]))
+        self.sections.append(section(f"## `{name}`", intro, rows))
         for key, item in subgroups:
-            doc = " ".join(inspect.cleandoc(item.__doc__ or "").split())
+            doc = self.docs[item.__name__, None]
             self.sections.append(section(f"### `{key}` entries", doc, self.rows(item, f"{key}[i]", [], [])))
 
     def rows(self, cls: type, prefix: str, rows: list[str], subgroups: list) -> list[str]:
