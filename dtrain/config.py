@@ -3,6 +3,9 @@
 Hydra rejects unknown keys and wrong types against these dataclasses; `check_config` adds the
 cross-checks that need the world size and the model's architecture. Both run on every rank before
 `init_process_group`, so a bad config fails everywhere at once instead of hanging a collective.
+
+A field's docstring (the string on the line after it) is its documentation: `python
+tools/config_docs.py` writes docs/config.md from them (tests/test_config_docs.py checks it is current).
 """
 
 from __future__ import annotations

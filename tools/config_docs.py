@@ -5,11 +5,11 @@
 
 One table per group of `dtrain.config.Config` (then the planner's `estimate` group of `PlanConfig`):
 key, default, meaning. The meaning is the field's attribute docstring (the string literal on the
-line after it), read with `ast`; a field without one falls back to its `# comment` (DataConfig and
-MixSource still have comments). The default is the dataclass's, or conf/config.yaml's where it sets
-the key for every run; "embedded X" marks what the embedded default runs with instead (the groups
-conf/config.yaml picks and experiment/embedded.yaml). tests/test_config_docs.py fails when the
-committed file differs from what this writes.
+line after it), read with `ast`; a field without one falls back to its `# comment`, and one with
+neither to PENDING (DataConfig and MixSource have no docstrings yet). The default is the
+dataclass's, or conf/config.yaml's where it sets the key for every run; "embedded X" marks what the
+embedded default runs with instead (the groups conf/config.yaml picks and experiment/embedded.yaml).
+tests/test_config_docs.py fails when the committed file differs from what this writes.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ PENDING = {
         for name in ("split", "max_samples", "format", "input_key", "output_key", "system_key")
         + ("messages_key", "text_key")
     },
-}  # fmt: skip
+}
 
 INTRO = f"""\
 # Config reference
