@@ -3,6 +3,9 @@
 Hydra rejects unknown keys and wrong types against these dataclasses; `check_config` adds the
 cross-checks that need the world size and the model's architecture. Both run on every rank before
 `init_process_group`, so a bad config fails everywhere at once instead of hanging a collective.
+
+A field's docstring (the string on the line after it) is its documentation: `python
+tools/config_docs.py` writes docs/config.md from them (tests/test_config_docs.py checks it is current).
 """
 
 from __future__ import annotations
@@ -36,15 +39,18 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    # Hub id or local HF folder (config.json, tokenizer, safetensors): architecture, tokenizer, weights.
     name_or_path: str | None = None
-    # Overrides on top of name_or_path's config.json (without name_or_path: the whole architecture).
+    """Hub id or local Hugging Face folder (config.json, tokenizer, safetensors): the architecture, the
+    tokenizer and the weights."""
     config: dict[str, Any] = field(default_factory=dict)
-    # auto: pretrained when name_or_path has weights, else random; pretrained: load name_or_path's
-    # weights; random: seeded init, identical on every mesh.
+    """Overrides on top of name_or_path's config.json, added as `+model.config.KEY=VALUE` (without
+    name_or_path: the whole architecture of a from-scratch model)."""
     init: str = "auto"
-    # A tokenizer folder or hub id other than name_or_path's.
+    """`auto`: `pretrained` when name_or_path has safetensors weights, else `random`; `pretrained`: load
+    name_or_path's weights; `random`: a seeded init, identical on every mesh."""
     tokenizer: str | None = None
+    """A tokenizer folder or hub id other than name_or_path's (unset: name_or_path's); it needs a chat
+    template."""
 
 
 @dataclass
@@ -132,96 +138,175 @@ class DataConfig(SourceConfig):
 @dataclass
 class ParallelConfig:
     tp: int = 1
-    dp_shard: int = -1  # -1: the rest of the world
+    """Tensor-parallel degree."""
+    dp_shard: int = -1
+    """FSDP degree; -1: the rest of the world, world / (tp × cp × dp_replicate)."""
     dp_replicate: int = 1
-    cp: int = 1  # context parallel: each sequence split over this many ranks (K/V gathered in attention)
+    """HSDP replicas: > 1 builds the mesh `(dp_replicate, dp_shard, tp)`; FSDP shards over `dp_shard`
+    within each replica and all-reduces gradients across replicas; data and the loss split over all
+    `dp_replicate × dp_shard` ranks."""
+    cp: int = 1
+    """Context parallel: each row's sequence split over `cp` ranks, K and V gathered in attention (mesh
+    `(dp_replicate, dp_shard, cp, tp)`); FSDP shards over `dp_shard × cp`, the data over
+    `dp_replicate × dp_shard`; `data.max_len` must divide by `2·cp` (× `tp` with sequence parallel)."""
     sequence_parallel: bool = True
+    """Activations between blocks sharded over the sequence (over tp)."""
     loss_parallel: bool = True
-    # dense: whole logits, then loss parallel's cross-entropy | chunked: lm_head + loss per chunk,
-    # recomputed in backward | fused: head, loss and gradients in one pass per chunk (no recompute)
+    """Vocabulary-sharded logits into the cross-entropy."""
     loss_impl: str = "dense"
-    loss_chunk: int = 256  # chunked / fused: local sequence positions per chunk
-    activation_checkpointing: str = "none"  # none | full (each decoder layer) | selective (op-level)
-    compile: bool = False  # torch.compile each decoder layer
-    # After forward, free each layer's gathered parameters: auto (all layers but the last) | always | never
+    """`dense`: the model's whole (vocabulary-sharded) logits, then loss parallel's cross-entropy;
+    `chunked`: `lm_head` + loss per chunk, each checkpointed (recomputed in backward); `fused`: head,
+    loss and both gradients in one pass per chunk (`dtrain/fused_loss.py`), nothing recomputed, one
+    chunk of logits alive. `chunked` and `fused` compute `lm_head(hidden)` themselves, so they take the
+    families with a TP plan only, and not Granite's scaled logits; why `dense` stays the default:
+    docs/benchmark.md."""
+    loss_chunk: int = 256
+    """`chunked` / `fused`: local sequence positions per chunk (≥ 1)."""
+    activation_checkpointing: str = "none"
+    """`none`; `full` (every decoder layer recomputed in backward); `selective` (op-level: matmul,
+    attention and TP reduce-scatter outputs kept, the cheap ops recomputed)."""
+    compile: bool = False
+    """`torch.compile` each decoder layer (after activation checkpointing, before `fully_shard`)."""
     reshard_after_forward: str = "auto"
-    fsdp_prefetch: int = 0  # > 0: all-gather this many layers ahead (forward and backward); 0: FSDP's own
-    timeout_s: int = 600  # collectives give up after this, so a dead rank cannot hang the others
+    """Free each layer's gathered parameters after forward: `auto` (every layer but the last, whose
+    backward comes next), `always`, `never` (more memory, fewer all-gathers)."""
+    fsdp_prefetch: int = 0
+    """> 0: FSDP all-gathers this many layers ahead in forward and backward; 0: FSDP2's own
+    prefetching."""
+    timeout_s: int = 600
+    """Collectives give up after this many seconds, so a dead rank cannot hang the others."""
 
 
 @dataclass
 class OptimConfig:
+    """Fused AdamW over the DTensor parameters, with no weight decay on 1-D parameters (norms,
+    biases)."""
+
     lr: float = 2e-5
+    """Peak learning rate."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay (2-D parameters only)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's betas."""
     eps: float = 1e-8
-    max_grad_norm: float = 1.0  # <= 0 disables clipping (the norm is still logged)
+    """AdamW's epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm (over every mesh axis) to this; ≤ 0 logs the norm without
+    clipping."""
     schedule: str = "cosine"
+    """`constant`, `constant_with_warmup`, `linear` or `cosine` (transformers' schedules, over
+    `train.max_steps`)."""
     warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to `lr` (the `constant` schedule has none)."""
 
 
 @dataclass
 class TrainConfig:
     max_steps: int = 100
+    """Optimizer steps of the run."""
     global_batch_size: int = 32
+    """Sequences (rows) per optimizer step, over all dp ranks; accumulation = global / (micro × dp)."""
     micro_batch_size: int = 4
+    """Sequences (rows) per forward and backward on one dp rank."""
     seed: int = 0
+    """Seeds the init, the data order, the eval hold-out and the mix: the same on every mesh."""
     log_every: int = 1
+    """Steps between logged lines (metrics.jsonl, console, W&B); the last step is always logged."""
     precision: str = "bf16"
-    nonfinite: str = "skip"  # a step with non-finite gradients: skip it, or abort the run
-    max_skips: int = 5  # abort when more than this many steps in a row were skipped
-    eval_every: int = 0  # steps between eval_loss lines; 0: no eval
-    sweep_on_failure: str = "continue"  # --multirun: a failed job is recorded and the sweep goes on, or stops
+    """`bf16`: bf16 compute, fp32 master weights and gradient reduction; `fp32`. conf/config.yaml makes
+    the default bf16 on CUDA and fp32 on CPU, where bf16 is slow and inexact."""
+    nonfinite: str = "skip"
+    """A step with non-finite gradients: `skip` it (no optimizer or schedule step) or `abort` the run."""
+    max_skips: int = 5
+    """Abort when more than this many steps in a row were skipped."""
+    eval_every: int = 0
+    """Steps between `eval_loss` lines in metrics.jsonl; 0: no eval. Needs `data.eval_split` or
+    `data.eval_fraction`."""
+    sweep_on_failure: str = "continue"
+    """`--multirun`: a job failed alike on every rank is recorded and the sweep goes on (`continue`),
+    or the sweep stops there (`stop`)."""
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # 0: no periodic checkpoints
-    dir: str | None = None  # default: <run dir>/checkpoints
-    resume: str = "auto"  # auto: the newest complete checkpoint in dir, if any; none; or a path
+    every: int = 0
+    """Save every N steps; 0: no periodic checkpoints (only the final save)."""
+    dir: str | None = None
+    """Where the `step-XXXXXXXX/` folders go (unset: `<run dir>/checkpoints`)."""
+    resume: str = "auto"
+    """`auto`: the newest complete checkpoint in `dir`, if any; `none`; or a checkpoint path."""
     keep: int = 2
-    save_final: bool = True  # also save after the last step
-    async_save: bool = False  # write with dcp.async_save while the next steps run
-    overwrite: bool = False  # reuse a run folder / checkpoint dir that holds a different run
-    export_hf: bool = False  # write a Hugging Face folder to <run dir>/hf at the end
+    """Complete checkpoints kept (the oldest are removed)."""
+    save_final: bool = True
+    """Also save after the last step."""
+    async_save: bool = False
+    """Write with `dcp.async_save` (stage to CPU, write while the next steps run). The issue's
+    `checkpoint.async`: `async` is a Python keyword and cannot name a dataclass field."""
+    overwrite: bool = False
+    """Reuse a run folder or checkpoint dir that holds a different run (its metrics and checkpoints
+    are removed); without it such a folder is refused before launch."""
+    export_hf: bool = False
+    """Write a Hugging Face folder to `<run dir>/hf` at the end."""
     export_dtype: str = "bf16"
+    """`bf16` or `fp32`: the dtype of export_hf's safetensors."""
 
 
 @dataclass
 class WandbConfig:
     mode: str = "disabled"
+    """`online`, `offline` (writes under the run folder) or `disabled`. Online without credentials logs
+    offline and says so."""
     project: str = "dtrain"
+    """Passed to `wandb.init`."""
     entity: str | None = None
+    """Passed to `wandb.init`."""
     name: str | None = None
+    """Passed to `wandb.init`."""
     group: str | None = None
+    """Passed to `wandb.init` (unset in a sweep: the sweep's name, so its jobs group together)."""
     tags: list[str] = field(default_factory=list)
+    """Passed to `wandb.init`."""
 
 
 @dataclass
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases, one run from rank 0 (metrics.jsonl is written whatever this says)."""
 
 
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The model: one Hugging Face folder or hub id, and overrides (`dtrain/conf/model/`)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The training (and eval) data: sources, format, rows (`dtrain/conf/data/`, docs/data.md)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The mesh and how the model is sharded on it (docs/architecture.md)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer and the learning-rate schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The loop: steps, batch sizes, precision, what happens to a bad step."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints, resume and Hugging Face export (docs/checkpoints.md)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Where logged steps go besides metrics.jsonl and the console."""
 
 
 @dataclass
 class EstimateConfig:
     """`python -m dtrain.estimate` only (dtrain.sft rejects these keys)."""
 
-    world_size: int = MISSING  # the ranks to plan for; required, nothing sensible to guess
-    gpu_memory_gib: float = 80.0  # per GPU, what the verdict and the suggestions compare the peak with
-    format: str = "table"  # table | json
-    suggestions: bool = True  # when it does not fit: estimate more tp, checkpointing, smaller micro batches
+    world_size: int = MISSING
+    """The ranks (GPUs) to plan for; required, nothing sensible to guess. `parallel.dp_shard=-1` takes
+    the rest as usual."""
+    gpu_memory_gib: float = 80.0
+    """Memory per GPU that the verdict and the suggestions compare the peak with."""
+    format: str = "table"
+    """`table`, or `json`: one object on stdout, every figure in bytes."""
+    suggestions: bool = True
+    """When it does not fit: estimate more tp, checkpointing, smaller micro batches."""
     top_modules: int = 5
+    """Modules listed in the report."""
 
 
 @dataclass
@@ -229,6 +314,7 @@ class PlanConfig(Config):
     """The estimator's schema: a training config plus the `estimate` group."""
 
     estimate: EstimateConfig = field(default_factory=EstimateConfig)
+    """The planner's own settings (docs/estimate.md)."""
 
 
 @dataclass(frozen=True)
