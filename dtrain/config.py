@@ -58,24 +58,37 @@ class SourceConfig:
     """One dataset: where it is, which of its examples, and how its records read (the format and
     the columns it reads). data.* holds one (data.path ...); each data.mix entry is another."""
 
-    # Hub dataset id, or a local json/jsonl/parquet/csv/arrow file, or a folder of them (or save_to_disk's).
     path: str = "???"
+    """Hub dataset id, or a local json/jsonl/parquet/csv/arrow file, or a folder of them (or
+    `save_to_disk`'s)."""
     split: str = "train"
-    max_samples: int | None = None  # the first N examples of the split
-    format: str = "prompt_response"  # prompt_response | messages | text (dtrain.data.formats.FORMATS)
+    """The split to train on; slicing works (`train[:1000]`)."""
+    max_samples: int | None = None
+    """The first N examples of the split."""
+    format: str = "prompt_response"
+    """How a record reads: `prompt_response` (one user turn, one assistant turn, optional system),
+    `messages` (a list of {role, content}; loss on every assistant turn) or `text` (loss on every
+    token): the names in `FORMATS`, dtrain/data/formats.py."""
     input_key: str = "prompt"
+    """`prompt_response`: the record key of the prompt."""
     output_key: str = "response"
+    """`prompt_response`: the record key of the response."""
     system_key: str | None = None
-    messages_key: str = "messages"  # format=messages: a list of {role, content}
-    text_key: str = "text"  # format=text: loss on every token
+    """`prompt_response`: the record key of an optional system prompt."""
+    messages_key: str = "messages"
+    """`messages`: the record key of the list of {role, content}."""
+    text_key: str = "text"
+    """`text`: the record key of the text."""
 
 
 @dataclass
 class MixSource(SourceConfig):
-    """The schema of a data.mix entry: a source and its share of the training stream. The entry's
-    unset fields take data.*'s values (path excepted: each entry names its dataset)."""
+    """A data.mix entry: a dataset and its share of the training stream. Each entry names its own
+    path; the fields it leaves out take data.*'s values (an explicit `null` means null). An unknown
+    key or a wrong type fails before launch, naming `data.mix[i].KEY`."""
 
-    weight: float = 1.0  # share of the training stream: weight / sum of weights
+    weight: float = 1.0
+    """Share of the training stream: weight / sum of the weights."""
 
 
 @dataclass
@@ -96,17 +109,25 @@ class Source(MixSource):
 
 @dataclass
 class DataConfig(SourceConfig):
-    # When set, these datasets (mixed by weight) replace data.path: each a mapping of MixSource's
-    # fields, e.g. {path: a.jsonl, weight: 3, input_key: q}; unset fields take data.*'s values.
-    mix: list[dict[str, Any]] = field(default_factory=list)
+    mix: list[dict[str, Any]] = field(default_factory=list, metadata={"entries": MixSource})
+    """Datasets mixed by weight, replacing data.path: `[{path: a.jsonl, weight: 3}, {path: org/b,
+    split: train, input_key: q}]`; each entry's fields are MixSource's (below)."""
     max_len: int = 128
-    overlong: str = "truncate"  # examples over max_len tokens: truncate | drop
+    """Token slots per row."""
+    overlong: str = "truncate"
+    """Examples over max_len tokens: `truncate` | `drop`."""
     packing: bool = False
+    """Pack several examples per row (no attention across them)."""
     shuffle: bool = True
-    num_proc: int = 1  # processes for tokenization (datasets.map)
-    num_workers: int = 0  # DataLoader worker processes building rows
-    eval_split: str | None = None  # a split of the same source(s) for eval_loss ...
-    eval_fraction: float = 0.0  # ... or this fraction of each source held out (seeded)
+    """A seeded permutation of the rows every epoch."""
+    num_proc: int = 1
+    """Processes for tokenization (`datasets.map`)."""
+    num_workers: int = 0
+    """DataLoader worker processes building rows."""
+    eval_split: str | None = None
+    """A split of the same source(s) for `eval_loss` ..."""
+    eval_fraction: float = 0.0
+    """... or this fraction of each source held out (seeded)."""
 
     def sources(self) -> list[Source]:
         """The datasets to read: data.*'s own source, or each data.mix entry merged onto data.*'s

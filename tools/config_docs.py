@@ -5,8 +5,7 @@
 
 One table per group of `dtrain.config.Config` (then the planner's `estimate` group of `PlanConfig`):
 key, default, meaning. The meaning is the field's attribute docstring (the string literal on the
-line after it), read with `ast`; a field without one falls back to its `# comment`, and one with
-neither to PENDING (DataConfig and MixSource have no docstrings yet). The default is the
+line after it), read with `ast` (a field without one stops the script). The default is the
 dataclass's, or conf/config.yaml's where it sets the key for every run; "embedded X" marks what the
 embedded default runs with instead (the groups conf/config.yaml picks and experiment/embedded.yaml).
 tests/test_config_docs.py fails when the committed file differs from what this writes.
@@ -18,10 +17,8 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import io
 import re
 import sys
-import tokenize
 import typing
 from pathlib import Path
 from typing import Any
@@ -44,24 +41,6 @@ RESOLVERS = {
     "dtrain_default_precision": lambda _: "`bf16` on CUDA, `fp32` on CPU",
 }
 
-# DataConfig and MixSource fields with neither a docstring nor a comment yet (the words of the former
-# README table). Temporary, as the comment fallback: both go once those two classes have docstrings.
-PENDING = {
-    ("DataConfig", "split"): "The split to train on; slicing works (`train[:1000]`).",
-    ("DataConfig", "input_key"): "`prompt_response`: the record key of the prompt.",
-    ("DataConfig", "output_key"): "`prompt_response`: the record key of the response.",
-    ("DataConfig", "system_key"): "`prompt_response`: the record key of an optional system prompt.",
-    ("DataConfig", "max_len"): "Token slots per row.",
-    ("DataConfig", "packing"): "Pack several examples per row (no attention across them).",
-    ("DataConfig", "shuffle"): "A seeded permutation of the rows every epoch.",
-    ("MixSource", "path"): "As `data.path`: a hub dataset id, a local file or folder.",
-    **{
-        ("MixSource", name): f"Unset: `data.{name}`."
-        for name in ("split", "max_samples", "format", "input_key", "output_key", "system_key")
-        + ("messages_key", "text_key")
-    },
-}
-
 INTRO = f"""\
 # Config reference
 
@@ -82,37 +61,24 @@ experiment runs the tiny Llama in `dtrain/assets/` on the shipped dataset with t
 
 
 def field_docs(source: str) -> dict[tuple[str, str | None], str]:
-    """(class, field) → the field's docstring, else its comments (the lines right above it and the
-    one on its line); (class, None) → the class's docstring."""
-    comments: dict[int, str] = {}
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            comments[token.start[0]] = token.string.lstrip("#").strip()
-    lines = source.splitlines()
+    """(class, field) → the field's docstring; (class, None) → the class's docstring."""
     docs: dict[tuple[str, str | None], str] = {}
     for node in ast.parse(source).body:
         if not isinstance(node, ast.ClassDef):
             continue
         docs[node.name, None] = " ".join((ast.get_docstring(node) or "").split())
         body = node.body
-        for index, statement in enumerate(body):
+        for statement, following in zip(body, [*body[1:], None], strict=True):
             if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
                 continue
-            following = body[index + 1] if index + 1 < len(body) else None
             if (
                 isinstance(following, ast.Expr)
                 and isinstance(following.value, ast.Constant)
                 and isinstance(following.value.value, str)
             ):
-                text = inspect.cleandoc(following.value.value)
-            else:
-                above = []
-                line = statement.lineno - 1
-                while line >= 1 and lines[line - 1].strip().startswith("#"):
-                    above.insert(0, comments[line])
-                    line -= 1
-                text = " ".join([*above, comments.get(statement.lineno, "")]).strip()
-            docs[node.name, statement.target.id] = " ".join(text.split())
+                docs[node.name, statement.target.id] = " ".join(
+                    inspect.cleandoc(following.value.value).split()
+                )
     return docs
 
 
@@ -184,14 +150,16 @@ def section(heading: str, intro: str, rows: list[str]) -> str:
     return "\n".join([heading, "", cell(intro), "", *header, *rows])
 
 
-def nested(hint: Any) -> tuple[type | None, bool]:
-    """(the dataclass a field holds, whether it holds a list of them)."""
+def nested(field: dataclasses.Field, hint: Any) -> tuple[type | None, bool]:
+    """(the dataclass a field holds, whether it holds a list of them: a list of dataclasses, or of
+    mappings whose schema the field names in its metadata, as data.mix does)."""
     if dataclasses.is_dataclass(hint):
         return hint, False
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
-        if dataclasses.is_dataclass(item):
-            return item, True
+        entries = item if dataclasses.is_dataclass(item) else field.metadata.get("entries")
+        if entries is not None:
+            return entries, True
     return None, False
 
 
@@ -202,10 +170,11 @@ class Writer:
         self.sections: list[str] = []
 
     def meaning(self, cls: type, name: str) -> str:
-        text = self.docs.get((cls.__name__, name)) or PENDING.get((cls.__name__, name), "")
-        if not text:
-            raise SystemExit(f"{SOURCE}: {cls.__name__}.{name} has no docstring: write one")
-        return text
+        """The docstring of field `name` where it is declared (cls or a base class)."""
+        for owner in cls.__mro__:
+            if (owner.__name__, name) in self.docs:
+                return self.docs[owner.__name__, name]
+        raise SystemExit(f"{SOURCE}: {cls.__name__}.{name} has no docstring: write one")
 
     def group(self, owner: type, name: str, cls: type) -> None:
         """A `## name` section: the group's docstring, its table, then one per list of dataclasses."""
@@ -215,13 +184,23 @@ class Writer:
         self.sections.append(section(f"## `{name}`", intro, rows))
         for key, item in subgroups:
             doc = self.docs[item.__name__, None]
-            self.sections.append(section(f"### `{key}` entries", doc, self.rows(item, f"{key}[i]", [], [])))
+            rows = self.rows(item, f"{key}[i]", [], [], inherits=(cls, name))
+            self.sections.append(section(f"### `{key}` entries", doc, rows))
 
-    def rows(self, cls: type, prefix: str, rows: list[str], subgroups: list) -> list[str]:
+    def rows(
+        self, cls: type, prefix: str, rows: list[str], subgroups: list, inherits: tuple | None = None
+    ) -> list[str]:
+        """`inherits` (the group's class and name): list entries whose fields, where the group has
+        them too, default to the group's value (data.mix entries take data.*'s)."""
         hints = typing.get_type_hints(cls)
+        inherited = {f.name for f in dataclasses.fields(inherits[0])} if inherits else set()
         for field in dataclasses.fields(cls):
             key = f"{prefix}.{field.name}"
-            inner, is_list = nested(hints[field.name])
+            if field.name in inherited and default_of(field) != MISSING:
+                meaning = cell(self.meaning(cls, field.name))
+                rows.append(f"| `{key}` | `{inherits[1]}.{field.name}` | {meaning} |")
+                continue
+            inner, is_list = nested(field, hints[field.name])
             if inner is not None and not is_list:
                 self.rows(inner, key, rows, subgroups)
                 continue

@@ -33,9 +33,10 @@ def load_split(source: Source, split: str) -> datasets.Dataset:
         raise ConfigError(f"{where} split {split!r}: the dataset is empty")
     for key, column in FORMATS[source.format].columns(source).items():
         if column not in dataset.column_names:
+            named = f"{source.key(key)}, " if hasattr(source, key) else ""  # else a column the format fixes
             raise ConfigError(
-                f"{where}: missing key {column!r} ({source.key(key)}, {source.key('format')}="
-                f"{source.format}); the dataset has columns {dataset.column_names}"
+                f"{where}: missing key {column!r} ({named}{source.key('format')}={source.format}); "
+                f"the dataset has columns {dataset.column_names}"
             )
     return dataset
 
