@@ -1,6 +1,7 @@
 """One training step, in the functions the trainer, the planner (dtrain.estimate) and the benchmark
-all run: forward, loss and backward of a micro-batch (`micro_step`), then clip and AdamW
-(`optimizer_step`); and the eval loss over the eval set."""
+all run, in the order the loop calls them: this rank's part of each micro-batch on its device, the
+step's token counts, forward, loss and backward of a micro-batch (`micro_step`), then clip and
+AdamW (`optimizer_step`); and the eval loss over the eval set."""
 
 from __future__ import annotations
 
@@ -24,26 +25,23 @@ from dtrain.optim import clip_grads, global_grad_norm
 from dtrain.parallel.context import CONTEXT_KWARG, shard_sequence
 
 
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module,
-    micro_batches: list,
-    parallel: Parallel,
-    loss_parallel: bool,
-    loss_impl: str = "dense",
-    loss_chunk: int = 0,
-) -> dict[str, Any]:
-    """eval_loss: the token mean over the whole eval set (every dp and cp rank's share)."""
-    model.eval()
-    totals = torch.zeros(2, device=parallel.device)
-    for mb in micro_batches:
-        mb = local_micro_batch(mb, parallel)
-        with loss_context(loss_parallel):
-            totals[0] += summed_loss(model, mb, loss_impl, loss_chunk)
-        totals[1] += (mb["labels"] != IGNORE).sum()
-    dist.all_reduce(totals, group=parallel.token_group)
-    model.train()
-    return {"eval_loss": (totals[0] / totals[1]).item(), "eval_tokens": int(totals[1].item())}
+def local_micro_batch(micro_batch: dict[str, torch.Tensor], parallel: Parallel) -> dict[str, Any]:
+    """This rank's part of a host micro-batch, on its device: the whole rows, or with context
+    parallel its tokens of every row (parallel/context.py)."""
+    on_device = {key: value.to(parallel.device, non_blocking=True) for key, value in micro_batch.items()}
+    return shard_sequence(on_device, parallel["cp"])
+
+
+def global_counts(
+    micro_batches: list[dict[str, Any]], parallel: Parallel
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's supervised tokens (the loss is a token mean over them) and non-pad slots (for the
+    padding fraction), counted over every micro-batch of every dp and cp rank."""
+    counts = sum(
+        torch.stack([(mb["labels"] != IGNORE).sum(), mb["num_tokens"].sum()]) for mb in micro_batches
+    ).float()
+    dist.all_reduce(counts, group=parallel.token_group)
+    return counts[0], counts[1]
 
 
 def micro_step(
@@ -109,20 +107,23 @@ def optimizer_step(
     return grad_norm, skipped
 
 
-def local_micro_batch(micro_batch: dict[str, torch.Tensor], parallel: Parallel) -> dict[str, Any]:
-    """This rank's part of a host micro-batch, on its device: the whole rows, or with context
-    parallel its tokens of every row (parallel/context.py)."""
-    on_device = {key: value.to(parallel.device, non_blocking=True) for key, value in micro_batch.items()}
-    return shard_sequence(on_device, parallel["cp"])
-
-
-def global_counts(
-    micro_batches: list[dict[str, Any]], parallel: Parallel
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's supervised tokens (the loss is a token mean over them) and non-pad slots (for the
-    padding fraction), counted over every micro-batch of every dp and cp rank."""
-    counts = sum(
-        torch.stack([(mb["labels"] != IGNORE).sum(), mb["num_tokens"].sum()]) for mb in micro_batches
-    ).float()
-    dist.all_reduce(counts, group=parallel.token_group)
-    return counts[0], counts[1]
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    micro_batches: list,
+    parallel: Parallel,
+    loss_parallel: bool,
+    loss_impl: str = "dense",
+    loss_chunk: int = 0,
+) -> dict[str, Any]:
+    """eval_loss: the token mean over the whole eval set (every dp and cp rank's share)."""
+    model.eval()
+    totals = torch.zeros(2, device=parallel.device)
+    for mb in micro_batches:
+        mb = local_micro_batch(mb, parallel)
+        with loss_context(loss_parallel):
+            totals[0] += summed_loss(model, mb, loss_impl, loss_chunk)
+        totals[1] += (mb["labels"] != IGNORE).sum()
+    dist.all_reduce(totals, group=parallel.token_group)
+    model.train()
+    return {"eval_loss": (totals[0] / totals[1]).item(), "eval_tokens": int(totals[1].item())}
