@@ -1,6 +1,7 @@
 """Launched by tests/test_estimate.py under torchrun (gloo, real tensors): the planner's scenarios
-for real. For each, the trainer's model and optimizer on the real mesh, one warm-up step on real
-data, then one full step (every micro-batch of it) under the same FSDPMemTracker the planner uses.
+for real. For each, the trainer's mesh, model and optimizer, one warm-up step on real data (each
+rank's part of it: with context parallel its tokens of every row, as the trainer takes them), then
+one full step (every micro-batch of it) under the same FSDPMemTracker the planner uses.
 
 Rank 0 writes `<out>/<name>.json`: the tracker's figures, and the bytes of the real sharded
 tensors counted from their storages (independent of the tracker).
@@ -22,16 +23,16 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from estimate_scenarios import SCENARIOS  # noqa: E402
-from helpers import sharded_model  # noqa: E402
 
+from dtrain.config import check_config  # noqa: E402
 from dtrain.data import build_data, load_tokenizer  # noqa: E402
-from dtrain.distributed import init_distributed  # noqa: E402
+from dtrain.distributed import build_parallel, init_distributed  # noqa: E402
 from dtrain.estimate.app import compose  # noqa: E402
 from dtrain.estimate.measure import track_step  # noqa: E402
 from dtrain.loss import IGNORE  # noqa: E402
-from dtrain.model import tokenizer_source  # noqa: E402
+from dtrain.model import build_model, load_model_config, tokenizer_source  # noqa: E402
 from dtrain.optim import build_optimizer  # noqa: E402
-from dtrain.step import micro_step, optimizer_step  # noqa: E402
+from dtrain.step import local_micro_batch, micro_step, optimizer_step  # noqa: E402
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -46,21 +47,21 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def run(overrides: list[str], device: torch.device) -> dict:
     config = compose(overrides)
-    model = sharded_model(config, device)
+    model_config = load_model_config(config.model)
+    parallel = build_parallel(check_config(config, dist.get_world_size(), model_config), device)
+    model = build_model(model_config, config, parallel, device)  # the CPU's kernel: sdpa
     model.train()
     optimizer = build_optimizer(model, config.optim)
     params = list(model.parameters())
 
     tokenizer = load_tokenizer(tokenizer_source(config.model))
     train = config.train
-    mesh = next(model.parameters()).device_mesh
-    dp_mesh = mesh["dp_shard"]
-    batches = build_data(config.data, train, tokenizer, dp_mesh.get_local_rank(), dp_mesh.size()).train
+    batches = build_data(config.data, train, tokenizer, parallel.dp_rank, parallel.dp_size).train
 
     def step_batches(step: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
-        micro_batches = batches.next_step()  # steps are taken in order
+        micro_batches = [local_micro_batch(mb, parallel) for mb in batches.next_step()]  # in order
         tokens = sum((mb["labels"] != IGNORE).sum() for mb in micro_batches).float()
-        dist.all_reduce(tokens, group=dp_mesh.get_group())
+        dist.all_reduce(tokens, group=parallel.token_group)
         return micro_batches, tokens
 
     loss_parallel, max_norm = config.parallel.loss_parallel, config.optim.max_grad_norm
