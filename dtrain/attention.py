@@ -271,13 +271,36 @@ def flex_attention_call(
     scale: float | None,
     gqa: bool,
 ) -> torch.Tensor:
-    """Compiled on CUDA (inside a compiled layer, dynamo compiles the call itself); eager elsewhere
-    (forward only: how the CPU tests compare it with sdpa)."""
+    """Compiled on CUDA (inside a compiled layer, dynamo compiles the call itself); elsewhere torch's
+    eager reference implementation, forward and backward (the CPU tests compare it with sdpa; the
+    planner runs CUDA's kernel on fake CPU tensors through it)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    eager_call = query.is_cuda and not torch.compiler.is_compiling()
-    attend = _compiled_flex_attention() if eager_call else flex_attention
+    if torch.compiler.is_compiling():
+        attend = flex_attention
+    elif query.is_cuda:
+        attend = _compiled_flex_attention()
+    else:
+        return _reference_flex_attention(query, key, value, block_mask, scale)
     return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+
+def _no_score_mod(score: torch.Tensor, batch: Any, head: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
+    return score
+
+
+def _reference_flex_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any, scale: float | None
+) -> torch.Tensor:
+    """torch's flex attention operator called directly, as `flex_attention` calls it uncompiled, minus
+    that function's refusal of a backward on CPU: the operator has one (its eager implementation; on
+    fake tensors, the outputs and gradients CUDA's kernels allocate: no scores matrix). It takes
+    grouped-query heads as they come."""
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_operator
+
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out, _, _ = flex_operator(query, key, value, _no_score_mod, block_mask.as_tuple(), scale, {})
+    return out
 
 
 # No mask function is registered for ATTENTION: HF then skips mask creation altogether (its path for

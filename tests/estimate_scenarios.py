@@ -1,6 +1,14 @@
 """The small experiments the planner is checked against a real gloo run on (4 ranks): the embedded
-default (tiny Llama, shipped data) with accumulation, with and without activation checkpointing.
-The same overrides go to `python -m dtrain.estimate` and to the real run."""
+default (tiny Llama, shipped data) with accumulation, with and without activation checkpointing, and
+with context parallel on packed rows. The same overrides go to the planner and to the real run.
+
+`python -m tests.estimate_scenarios NAME` prints the planner's JSON (as `python -m dtrain.estimate
+... estimate.format=json` does) for scenario NAME, planned with the attention kernel the real CPU run
+takes: sdpa with a dense mask (the command line plans CUDA's, flex attention with a block mask).
+Without a mask (rows neither packed nor split over cp) both take sdpa's causal kernel."""
+
+import json
+import sys
 
 WORLD = 4
 _COMMON = [f"estimate.world_size={WORLD}", "estimate.format=json"]
@@ -12,4 +20,27 @@ SCENARIOS = {
         "train.micro_batch_size=4",
     ],
     "tp4_plain": [*_COMMON, "parallel.tp=4", "train.micro_batch_size=8"],
+    "cp2_tp2_packed": [
+        *_COMMON,
+        "parallel.cp=2",
+        "parallel.tp=2",
+        "data.packing=true",
+        "train.micro_batch_size=8",
+    ],
 }
+REAL_RUN_ATTENTION = "sdpa"  # dtrain.attention.backend_for on a CPU
+
+
+def planned(name: str) -> dict:
+    from dtrain.estimate.app import compose
+    from dtrain.estimate.planner import plan
+    from dtrain.estimate.report import to_json
+
+    config = compose(SCENARIOS[name])
+    settings = config.estimate
+    result = plan(config, settings.world_size, attention_backend=REAL_RUN_ATTENTION)
+    return to_json(result, settings.gpu_memory_gib, [], settings.top_modules)
+
+
+if __name__ == "__main__":
+    print(json.dumps(planned(sys.argv[1])))

@@ -141,6 +141,9 @@ def track_step(
     params = list(model.parameters())
     tracker = FSDPMemTracker(model, optimizer)
     tracker.memory_tracking = _ModuleStats()
+    # Flex attention is a higher-order operator: the tracker lets it through its __torch_dispatch__
+    # (torch's switch for a dispatch mode) and counts its outputs as any op's.
+    tracker.supports_higher_order_operators = True
     tracker.track_inputs(tuple(micro_batches))
     logits: list[int] = []
     hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(_local_bytes(out)))

@@ -1,6 +1,10 @@
 """Plan one experiment: the trainer's own model, parallelize and step, run on fake tensors with a
 fake process group of `world_size` ranks, measured by torch's FSDPMemTracker. No figure of dtrain's
-comes from a formula here; only the DeepSpeed comparison (deepspeed.py) is analytic."""
+comes from a formula here; only the DeepSpeed comparison (deepspeed.py) is analytic.
+
+Plans are for GPUs: packed rows, sliding windows and context parallel attend through CUDA's kernel,
+flex attention with a block mask (on fake tensors: its outputs and gradients, no scores matrix),
+not through the dense [batch, 1, local, seq] mask that sdpa takes on a CPU."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from dtrain.attention import config_window
 from dtrain.config import Config, ConfigError, MeshShape, check_config
 from dtrain.distributed import build_parallel
 from dtrain.estimate.deepspeed import ParamCensus, census
@@ -30,6 +35,9 @@ from dtrain.parallel.context import shard_sequence
 from dtrain.step import micro_step, optimizer_step
 
 CPU = torch.device("cpu")
+# The attention kernel a CUDA run takes (dtrain.attention.backend_for); "sdpa" plans what a CPU run
+# allocates (the tests compare the planner with a real gloo run).
+CUDA_ATTENTION = "flex"
 
 
 @dataclass
@@ -43,6 +51,7 @@ class Plan:
     max_len: int
     precision: str
     activation_checkpointing: str
+    attention: str  # the attention kernel planned: flex (CUDA's, for packed rows, windows, cp) or sdpa
     accumulation: int  # micro-batches per optimizer step
     step: StepMemory
     layers: dict[str, dict[str, int]]  # embedding / lm_head: bytes on this rank and in all
@@ -89,6 +98,13 @@ def dtensor_meta_in_own_fake_mode() -> Iterator[None]:
         del propagator._propagate_tensor_meta_non_cached  # back to the class's method
 
 
+def masked_attention(config: Config, shape: MeshShape, model_config: object) -> bool:
+    """Whether attention takes a mask beyond plain causal (packed rows, a sliding window shorter than
+    max_len, context parallel): then the backend decides the kernel; plain causal rows take sdpa."""
+    window = config_window(model_config, config.data.max_len)
+    return config.data.packing or shape.cp > 1 or window is not None
+
+
 def _layer_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     out = {}
     pairs = (("embedding", model.get_input_embeddings()), ("lm_head", model.get_output_embeddings()))
@@ -101,9 +117,11 @@ def _layer_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     return out
 
 
-def plan(config: Config, world_size: int) -> Plan:
+def plan(config: Config, world_size: int, attention_backend: str = CUDA_ATTENTION) -> Plan:
     """Build, shard and step the experiment on fake tensors; raises ConfigError for configs that
-    cannot run on `world_size` ranks (the same checks as training, minus the data file)."""
+    cannot run on `world_size` ranks (the same checks as training, minus the data file). Context
+    parallel takes the trainer's path: each micro-batch sharded over cp (shard_sequence), K and V
+    all-gathered in attention (moving nothing on the fake process group)."""
     start = time.perf_counter()
     _quiet_dtensor()
     # Fake tensors make many short-lived objects; the cycle collector would cost a third of the run
@@ -111,13 +129,13 @@ def plan(config: Config, world_size: int) -> Plan:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _plan(config, world_size, start)
+        return _plan(config, world_size, start, attention_backend)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _plan(config: Config, world_size: int, start: float) -> Plan:
+def _plan(config: Config, world_size: int, start: float, attention_backend: str) -> Plan:
     model_config = load_model_config(config.model, offline=True)
     shape = check_config(config, world_size, model_config, files=False)
     train = config.train
@@ -128,7 +146,7 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
         # The eager model is planned: torch.compile does not run under fake tensors and a fake
         # process group (it crashes), and fused kernels only lower the activation figures.
         eager = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, compile=False))
-        model = build_model(model_config, eager, parallel, None)
+        model = build_model(model_config, eager, parallel, None, attention_backend=attention_backend)
         # The meta parameters become fake ones on to_empty: allow_non_fake_inputs lets that happen.
         with FakeTensorMode(allow_non_fake_inputs=True), dtensor_meta_in_own_fake_mode():
             allocate(model, CPU)  # the values do not matter
@@ -164,6 +182,7 @@ def _plan(config: Config, world_size: int, start: float) -> Plan:
         max_len=config.data.max_len,
         precision=train.precision,
         activation_checkpointing=config.parallel.activation_checkpointing,
+        attention=attention_backend if masked_attention(config, shape, model_config) else "sdpa",
         accumulation=accumulation,
         step=step,
         layers=layers,
@@ -188,10 +207,24 @@ def _variant(config: Config, **changes: dict[str, object]) -> Config:
     return variant
 
 
-def suggest(config: Config, world_size: int, budget: int) -> list[Suggestion]:
+def _doubling(config: Config, world_size: int, axis: str) -> list[tuple[str, Config]]:
+    """parallel.<axis> doubled while it divides the world, dp_shard the rest (check_config, run by
+    plan, ends the lever where the mesh, the model or max_len no longer allow it)."""
+    degree, candidates = getattr(config.parallel, axis) * 2, []
+    while world_size % degree == 0:
+        change = f"parallel.{axis}={degree}"
+        candidates.append((change, _variant(config, parallel={axis: degree, "dp_shard": -1})))
+        degree *= 2
+    return candidates
+
+
+def suggest(
+    config: Config, world_size: int, budget: int, attention_backend: str = CUDA_ATTENTION
+) -> list[Suggestion]:
     """What would fit in `budget` bytes, each lever on its own and each candidate planned in full:
-    activation checkpointing, smaller micro batches, more tp. Per lever the first candidate that
-    fits is kept, else the last one tried (so the report says how far it gets)."""
+    activation checkpointing, smaller micro batches, more tp, more cp (long rows: each rank holds a
+    cp-th of every row's tokens). Per lever the first candidate that fits is kept, else the last one
+    tried (so the report says how far it gets)."""
     levers: list[list[tuple[str, Config]]] = []
     if config.parallel.activation_checkpointing == "none":
         full = _variant(config, parallel={"activation_checkpointing": "full"})
@@ -203,18 +236,15 @@ def suggest(config: Config, world_size: int, budget: int) -> list[Suggestion]:
         )
         micro //= 2
     levers.append(candidates)
-    tp, candidates = config.parallel.tp * 2, []
-    while world_size % tp == 0:
-        candidates.append((f"parallel.tp={tp}", _variant(config, parallel={"tp": tp, "dp_shard": -1})))
-        tp *= 2
-    levers.append(candidates)
+    levers.append(_doubling(config, world_size, "tp"))
+    levers.append(_doubling(config, world_size, "cp"))
 
     suggestions = []
     for candidates in levers:
         last = None
         for change, variant in candidates:
             try:
-                candidate = plan(variant, world_size)
+                candidate = plan(variant, world_size, attention_backend)
             except ConfigError:  # e.g. tp no longer divides the heads: this lever ends here
                 break
             last = Suggestion(change, candidate, candidate.step.peak <= budget)

@@ -65,6 +65,7 @@ def to_json(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], to
             "max_len": plan.max_len,
             "precision": plan.precision,
             "activation_checkpointing": plan.activation_checkpointing,
+            "attention": plan.attention,
             "accumulation": plan.accumulation,
         },
         "per_rank": step,
@@ -105,8 +106,8 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         f"dtrain plan: {plan.model_type}, {plan.num_params / 1e9:.3g} B parameters | world "
         f"{shape.world} = {axes} | micro batch "
         f"{plan.micro_batch_size} × max_len {plan.max_len} | {plan.precision} | activation checkpointing "
-        f"{plan.activation_checkpointing} | {plan.accumulation} micro-batches per step "
-        f"(tracked {step.micro_batches}) | planned in {plan.seconds:.0f} s",
+        f"{plan.activation_checkpointing} | attention {plan.attention} | {plan.accumulation} micro-batches "
+        f"per step (tracked {step.micro_batches}) | planned in {plan.seconds:.0f} s",
         "",
         f"per rank, {unit} (measured: FSDPMemTracker on fake tensors, one step after a warm-up step)",
         row("model state between steps", _model_state(plan)),

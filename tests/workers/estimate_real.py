@@ -1,6 +1,7 @@
 """Launched by tests/test_estimate.py under torchrun (gloo, real tensors): the planner's scenarios
-for real. For each, the trainer's model and optimizer on the real mesh, one warm-up step on real
-data, then one full step (every micro-batch of it) under the same FSDPMemTracker the planner uses.
+for real. For each, the trainer's mesh, model and optimizer, one warm-up step on real data (each
+rank's part of it: with context parallel its tokens of every row, as the trainer takes them), then
+one full step (every micro-batch of it) under the same FSDPMemTracker the planner uses.
 
 Rank 0 writes `<out>/<name>.json`: the tracker's figures, and the bytes of the real sharded
 tensors counted from their storages (independent of the tracker).
@@ -18,17 +19,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtrain.config import check_config
 from dtrain.data.formats import load_tokenizer
 from dtrain.data.pipeline import build_data
-from dtrain.distributed import init_distributed
+from dtrain.distributed import build_parallel, init_distributed
 from dtrain.estimate.app import compose
 from dtrain.estimate.measure import track_step
 from dtrain.loss import IGNORE
-from dtrain.model import tokenizer_source
+from dtrain.model import build_model, load_model_config, tokenizer_source
 from dtrain.optim import build_optimizer
-from dtrain.step import micro_step, optimizer_step
+from dtrain.step import local_micro_batch, micro_step, optimizer_step
 from tests.estimate_scenarios import SCENARIOS
-from tests.helpers import sharded_model
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -43,21 +44,21 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def run(overrides: list[str], device: torch.device) -> dict:
     config = compose(overrides)
-    model = sharded_model(config, device)
+    model_config = load_model_config(config.model)
+    parallel = build_parallel(check_config(config, dist.get_world_size(), model_config), device)
+    model = build_model(model_config, config, parallel, device)  # the CPU's kernel: sdpa
     model.train()
     optimizer = build_optimizer(model, config.optim)
     params = list(model.parameters())
 
     tokenizer = load_tokenizer(tokenizer_source(config.model))
     train = config.train
-    mesh = next(model.parameters()).device_mesh
-    dp_mesh = mesh["dp_shard"]
-    batches = build_data(config.data, train, tokenizer, dp_mesh.get_local_rank(), dp_mesh.size()).train
+    batches = build_data(config.data, train, tokenizer, parallel.dp_rank, parallel.dp_size).train
 
     def step_batches(step: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
-        micro_batches = batches.next_step()  # steps are taken in order
+        micro_batches = [local_micro_batch(mb, parallel) for mb in batches.next_step()]  # in order
         tokens = sum((mb["labels"] != IGNORE).sum() for mb in micro_batches).float()
-        dist.all_reduce(tokens, group=dp_mesh.get_group())
+        dist.all_reduce(tokens, group=parallel.token_group)
         return micro_batches, tokens
 
     loss_parallel, max_norm = config.parallel.loss_parallel, config.optim.max_grad_norm
