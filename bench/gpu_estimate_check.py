@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtrain.config import PlanConfig, check_config  # noqa: E402
+from dtrain.checks import check_config  # noqa: E402
+from dtrain.config import PlanConfig  # noqa: E402
 from dtrain.distributed import build_parallel, init_distributed, shutdown  # noqa: E402
 from dtrain.estimate.app import compose  # noqa: E402
 from dtrain.estimate.measure import step_inputs, track_step, tracked_micro_batches  # noqa: E402

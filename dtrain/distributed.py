@@ -86,6 +86,10 @@ class Parallel:
         return self.shape.tp
 
 
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def rank_from_env() -> int:
     return int(os.environ.get("RANK", "0"))
 

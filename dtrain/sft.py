@@ -22,8 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from submitit.helpers import TorchDistributedEnvironment
 
 from dtrain.checkpoint import CheckpointError, checkpoint_dir, find_resume_path, other_run_in
-from dtrain.config import Config, ConfigError, check_config, to_config, world_size_from_env
-from dtrain.distributed import init_distributed, rank_from_env, shutdown
+from dtrain.checks import check_config
+from dtrain.config import Config, ConfigError, to_config
+from dtrain.distributed import init_distributed, rank_from_env, shutdown, world_size_from_env
 from dtrain.hydra_glue import (
     CONF,
     EXIT_CONFIG_ERROR,

@@ -189,7 +189,7 @@ def cross_rank_row() -> list[dict[str, torch.Tensor]]:
 
 def sharded_model(config: Config, device: torch.device) -> torch.nn.Module:
     """The model exactly as the trainer builds it (on this process group), before any step."""
-    from dtrain.config import check_config
+    from dtrain.checks import check_config
     from dtrain.distributed import build_parallel
     from dtrain.model import build_meta_model, load_model_config, materialize
     from dtrain.parallel.parallelize import parallelize

@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dtrain.config import ConfigError, DataConfig, check_config
+from dtrain.checks import check_config
+from dtrain.config import ConfigError, DataConfig
 from dtrain.data.formats import (
     EMPTY,
     FORMATS,

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from dtrain.config import ConfigError, check_config
+from dtrain.checks import check_config
+from dtrain.config import ConfigError
 from dtrain.estimate.app import compose
 from dtrain.estimate.planner import plan
 from dtrain.model import load_model_config

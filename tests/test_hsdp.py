@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtrain.config import ConfigError, MeshShape, ParallelConfig, mesh_shape
+from dtrain.checks import mesh_shape
+from dtrain.config import ConfigError, MeshShape, ParallelConfig
 from tests.helpers import STEPS, save_tiny_llama, torchrun, worker
 from tests.test_parity import RTOL, reference_run, relative_error
 

@@ -15,7 +15,8 @@ import torch
 
 import dtrain.attention
 from dtrain.attention import set_backend
-from dtrain.config import ConfigError, check_config
+from dtrain.checks import check_config
+from dtrain.config import ConfigError
 from dtrain.data.loader import Rows, SFTLoader
 from dtrain.estimate.planner import plan
 from dtrain.model import build_meta_model, init_weights, load_model_config, reset_rotary_buffers

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from dtrain.config import ConfigError, check_config
+from dtrain.checks import check_config
+from dtrain.config import ConfigError
 from dtrain.model import build_meta_model, load_model_config
 from dtrain.parallel.vocab import mask_padded_logits, padded_vocab_size
 from tests.helpers import TINY, TOKENIZER, fixed_batch, parity_config, torchrun, worker

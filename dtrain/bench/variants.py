@@ -18,15 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dtrain.config import (
-    Config,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainConfig,
-    check_config,
-)
+from dtrain.checks import check_config
+from dtrain.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from dtrain.distributed import build_parallel, init_distributed
 from dtrain.loss import IGNORE
 from dtrain.metrics import flops_per_token

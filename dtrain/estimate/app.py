@@ -14,7 +14,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from dtrain.config import ConfigError, PlanConfig, check_estimate
+from dtrain.checks import check_estimate
+from dtrain.config import ConfigError, PlanConfig
 from dtrain.estimate.planner import plan, suggest
 from dtrain.estimate.report import to_json, to_table
 from dtrain.hydra_glue import CONF, fail, register, with_embedded_defaults

@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dtrain.attention import config_window
-from dtrain.config import Config, ConfigError, MeshShape, check_config
+from dtrain.checks import check_config
+from dtrain.config import Config, ConfigError, MeshShape
 from dtrain.distributed import build_parallel
 from dtrain.estimate.deepspeed import ParamCensus, census
 from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked_micro_batches

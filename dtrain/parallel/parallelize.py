@@ -69,7 +69,7 @@ def parallelize(model: nn.Module, parallel: Parallel, settings: ParallelConfig, 
     if parallel.tp_size > 1:
         # At tp = 1 the plan would only wrap every parameter in a DTensor over a one-rank axis, and
         # every op would pay DTensor dispatch for nothing: FSDP alone gives the same numerics. So
-        # families without a plan train at tp = 1 (config.check_tp_support refuses more).
+        # families without a plan train at tp = 1 (checks.check_tp_support refuses more).
         apply_tp(model, layers, parallel, settings, TP_PLANS[model.config.model_type])
     apply_activation_checkpointing(layers, settings.activation_checkpointing)
     if settings.compile:

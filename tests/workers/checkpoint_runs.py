@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from dtrain.config import ConfigError, check_config
+from dtrain.checks import check_config
+from dtrain.config import ConfigError
 from dtrain.data.formats import load_tokenizer
 from dtrain.distributed import init_distributed
 from dtrain.export import export_hf

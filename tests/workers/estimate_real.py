@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtrain.config import check_config
+from dtrain.checks import check_config
 from dtrain.data.formats import load_tokenizer
 from dtrain.data.pipeline import build_data
 from dtrain.distributed import build_parallel, init_distributed

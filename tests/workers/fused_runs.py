@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from dtrain.config import check_config
+from dtrain.checks import check_config
 from dtrain.distributed import init_distributed
 from dtrain.fused_loss import fused_linear_cross_entropy
 from dtrain.loss import IGNORE

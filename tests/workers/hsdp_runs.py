@@ -22,7 +22,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from dtrain.config import check_config
+from dtrain.checks import check_config
 from dtrain.distributed import build_parallel, init_distributed
 from dtrain.model import build_meta_model, canonical_name, load_model_config
 from dtrain.parallel.parallelize import parallelize

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from dtrain.config import check_config
+from dtrain.checks import check_config
 from dtrain.distributed import Parallel, init_distributed
 from dtrain.model import canonical_name, load_model_config
 from dtrain.parallel import fused

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtrain.config import ConfigError, TrainConfig, check_config
+from dtrain.checks import check_config
+from dtrain.config import ConfigError, TrainConfig
 from dtrain.data.formats import load_tokenizer
 from dtrain.data.pipeline import build_data, once_per_machine, prepare, to_rows
 from dtrain.distributed import build_parallel, init_distributed

@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from dtrain.config import Config, check_config
+from dtrain.checks import check_config
+from dtrain.config import Config
 from dtrain.distributed import init_distributed
 from dtrain.loss import IGNORE, loss_context
 from dtrain.model import canonical_name, load_model_config

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from dtrain.config import check_config
+from dtrain.checks import check_config
 from dtrain.distributed import init_distributed
 from dtrain.export import export_checkpoint
 from dtrain.model import canonical_name, load_model_config
