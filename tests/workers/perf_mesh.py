@@ -162,7 +162,7 @@ def check_selective_saves_the_matmuls(device: torch.device) -> None:
 
 def read_site() -> str:
     """The innermost dtrain function on the stack, then the innermost function of all if that is
-    another library's: "trainer.py:optimizer_step > optimizer.py:_get_value"."""
+    another library's: "step.py:optimizer_step > optimizer.py:_get_value"."""
     plumbing = ("perf_mesh.py", "/torch/_dynamo/", "/torch/_compile.py", "/torch/utils/_python_dispatch.py")
     frames = [f for f in traceback.extract_stack() if not any(part in f.filename for part in plumbing)]
     ours = [f for f in frames if "/dtrain/" in f.filename] or frames
