@@ -2,9 +2,10 @@
 default (tiny Llama, shipped data) with accumulation, with and without activation checkpointing, and
 with context parallel on packed rows. The same overrides go to the planner and to the real run.
 
-`python -m tests.estimate_scenarios NAME` prints the planner's JSON (as `python -m dtrain.estimate
-... estimate.format=json` does) for scenario NAME, planned with the attention kernel the real CPU run
-takes: sdpa with a dense mask (the command line plans CUDA's, flex attention with a block mask).
+`python -m tests.estimate_scenarios [NAME ...]` prints, by name, the planner's JSON (as `python -m
+dtrain.estimate ... estimate.format=json` does) of each scenario NAME (default: all), planned with the
+attention kernel the real CPU run takes: sdpa with a dense mask (the command line plans CUDA's, flex
+attention with a block mask).
 Without a mask (rows neither packed nor split over cp) both take sdpa's causal kernel."""
 
 import json
@@ -42,5 +43,5 @@ def planned(name: str) -> dict:
     return to_json(result, settings.gpu_memory_gib, [], settings.top_modules)
 
 
-if __name__ == "__main__":
-    print(json.dumps(planned(sys.argv[1])))
+if __name__ == "__main__":  # one process plans them all: an interpreter's start-up is most of a plan
+    print(json.dumps({name: planned(name) for name in sys.argv[1:] or SCENARIOS}))
