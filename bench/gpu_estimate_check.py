@@ -26,9 +26,8 @@ from dtrain.distributed import build_parallel, init_distributed, shutdown  # noq
 from dtrain.estimate.app import compose  # noqa: E402
 from dtrain.estimate.measure import step_inputs, track_step, tracked_micro_batches  # noqa: E402
 from dtrain.estimate.planner import plan  # noqa: E402
-from dtrain.model import build_meta_model, load_model_config, materialize  # noqa: E402
+from dtrain.model import build_model, load_model_config  # noqa: E402
 from dtrain.optim import build_optimizer  # noqa: E402
-from dtrain.parallel.parallelize import parallelize  # noqa: E402
 from dtrain.step import micro_step, optimizer_step  # noqa: E402
 
 GIB = 2**30
@@ -55,9 +54,7 @@ def real_step_peak(config: PlanConfig) -> tuple[int, int]:
     try:
         model_config = load_model_config(config.model, offline=True)
         shape = check_config(config, 1, model_config, files=False)
-        model = build_meta_model(model_config)
-        parallelize(model, build_parallel(shape, device), config.parallel, config.train.precision)
-        materialize(model, device, config.model, config.train.seed)
+        model = build_model(model_config, config, build_parallel(shape, device), device)
         model.train()
         optimizer = build_optimizer(model, config.optim)
         params = list(model.parameters())

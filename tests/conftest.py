@@ -10,6 +10,14 @@ from __future__ import annotations
 
 SLOW_S = 5.0
 _seconds: dict[str, float] = {}
+# The files whose module fixtures run longest (a torchrun of many scenarios, a real run beside the
+# planner's): first, so that neither of ./scripts/test.sh's two workers is left alone with one at the end.
+LONGEST_FIRST = ("test_parity.py", "test_estimate.py", "test_hsdp.py")
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file keeps its order
 
 
 def pytest_runtest_logreport(report) -> None:

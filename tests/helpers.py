@@ -191,17 +191,11 @@ def sharded_model(config: Config, device: torch.device) -> torch.nn.Module:
     """The model exactly as the trainer builds it (on this process group), before any step."""
     from dtrain.checks import check_config
     from dtrain.distributed import build_parallel
-    from dtrain.model import build_meta_model, load_model_config, materialize
-    from dtrain.parallel.parallelize import parallelize
-    from dtrain.parallel.vocab import padded_vocab_size
+    from dtrain.model import build_model, load_model_config
 
     model_config = load_model_config(config.model)
     shape = check_config(config, torch.distributed.get_world_size(), model_config)
-    rows = padded_vocab_size(model_config.vocab_size, shape.tp)
-    model = build_meta_model(model_config, packed=config.data.packing, vocab_rows=rows)
-    parallelize(model, build_parallel(shape, device), config.parallel, config.train.precision)
-    materialize(model, device, config.model, seed=config.train.seed)
-    return model
+    return build_model(model_config, config, build_parallel(shape, device), device)
 
 
 def full_logits(model: torch.nn.Module) -> torch.Tensor:

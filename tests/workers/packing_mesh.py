@@ -24,8 +24,7 @@ from dtrain.data.formats import load_tokenizer
 from dtrain.data.pipeline import build_data, once_per_machine, prepare, to_rows
 from dtrain.distributed import build_parallel, init_distributed
 from dtrain.loss import IGNORE, loss_context, summed_cross_entropy
-from dtrain.model import build_meta_model, load_model_config, materialize
-from dtrain.parallel.parallelize import parallelize
+from dtrain.model import build_model, load_model_config
 from tests.helpers import parity_config
 
 RTOL = 1e-5
@@ -155,9 +154,7 @@ def main() -> None:
     model_config = load_model_config(config.model)
     shape = check_config(config, dist.get_world_size(), model_config)
     parallel = build_parallel(shape, device)
-    model = build_meta_model(model_config, packed=True)
-    parallelize(model, parallel, config.parallel, "fp32")
-    materialize(model, device, config.model, seed=0)
+    model = build_model(model_config, config, parallel, device)
 
     tokenizer = load_tokenizer(config.model.tokenizer)
     examples, _ = prepare(config.data, tokenizer, seed=0)

@@ -11,18 +11,19 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from dtrain.config import MeshShape, ModelConfig, ParallelConfig
+from dtrain.config import Config, MeshShape, ModelConfig, ParallelConfig, TrainConfig
 from dtrain.distributed import build_parallel
-from dtrain.model import build_meta_model, load_model_config
-from dtrain.parallel.parallelize import parallelize
+from dtrain.model import build_model, load_model_config
 
 settings = ModelConfig(name_or_path=sys.argv[1], init="random")
 for world, tp in [(4, 2), (4, 4), (8, 4), (8, 8), (64, 8)]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     model_config = load_model_config(settings, offline=True)
-    model = build_meta_model(model_config)
     parallel = build_parallel(MeshShape(1, world // tp, 1, tp), torch.device("cpu"))
-    parallelize(model, parallel, ParallelConfig(tp=tp, activation_checkpointing="full"), "bf16")
+    config = Config(
+        parallel=ParallelConfig(tp=tp, activation_checkpointing="full"), train=TrainConfig(precision="bf16")
+    )
+    model = build_model(model_config, config, parallel, device=None)  # stays on the meta device
     local = {n: p.to_local().numel() * p.element_size() for n, p in model.named_parameters()}
     total = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     assert all(isinstance(p, DTensor) for p in model.parameters())
