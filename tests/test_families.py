@@ -10,7 +10,7 @@ from transformers import AutoConfig
 from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
 
 from dtrain.attention import dense_mask, set_backend
-from dtrain.model import build_meta_model, init_weights, reset_rotary_buffers
+from dtrain.model import allocate, build_meta_model, init_weights
 from tests.helpers import FAMILIES, MAX_LEN, TINY
 
 
@@ -39,10 +39,9 @@ def test_flex_with_a_window_matches_sdpa(packed):
     backward), eager flex as on CUDA outside compiled layers."""
     config = AutoConfig.for_model("gemma3_text", **{**TINY, **FAMILIES["gemma3_text"]})
     model = build_meta_model(config, packed=packed)
-    model.to_empty(device="cpu")
-    reset_rotary_buffers(model, torch.device("cpu"))
+    allocate(model, torch.device("cpu"))
     init_weights(model, seed=0)
-    model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them
+    model.lm_head.weight = model.model.embed_tokens.weight  # allocating (to_empty) unties them
     ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) * 7 % TINY["vocab_size"]
     starts = [[0, 11], [0, 5, 25]] if packed else [[0], [0]]
     positions = torch.stack(

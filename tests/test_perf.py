@@ -19,7 +19,7 @@ from dtrain.checks import check_config
 from dtrain.config import ConfigError
 from dtrain.data.loader import Rows, SFTLoader
 from dtrain.estimate.planner import plan
-from dtrain.model import build_meta_model, init_weights, load_model_config, reset_rotary_buffers
+from dtrain.model import allocate, build_meta_model, init_weights, load_model_config
 from tests.helpers import MAX_LEN, ROOT, TINY, parity_config, run, torchrun, worker
 
 WORKER = worker("perf_mesh")
@@ -51,8 +51,7 @@ def test_flex_attention_on_packed_rows_matches_sdpa_with_the_document_mask(monke
     config.num_key_value_heads = 2  # grouped-query attention through flex's enable_gqa
     config.num_hidden_layers = 4  # more layers than the graphs allowed below: they must share one
     model = build_meta_model(config, packed=True)
-    model.to_empty(device="cpu")
-    reset_rotary_buffers(model, torch.device("cpu"))
+    allocate(model, torch.device("cpu"))
     init_weights(model, seed=0)
     ids = torch.arange(2 * MAX_LEN).reshape(2, MAX_LEN) * 7 % TINY["vocab_size"]
     # Documents of 11 + 21 and 5 + 20 + 7 tokens: boundaries inside flex's blocks.

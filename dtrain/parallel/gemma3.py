@@ -6,7 +6,7 @@ per-head q/k norms, which Gemma 3 applies after moving the heads to dim 1.
 The scaled embedding (`embed_scale` times the rows) is vocab-sharded as the plain one: the scale
 multiplies the embedding's partial sums, which the reduce-scatter then adds. The tied head and
 the local sliding-window layers need nothing here: ties are restored after TP, and the window is
-dtrain's attention function's (model.py). Both rotary bases are buffers (model.reset_rotary_buffers).
+dtrain's attention function's (attention.py). Both rotary bases are buffers (model.reset_rotary_buffers).
 """
 
 from __future__ import annotations
