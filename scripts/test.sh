@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # The test command (README and .ci/run): lint, then the whole suite on CPU, in two pytest workers
 # (pytest-xdist, a test file per worker at a time: its module fixtures run once). Most tests wait on
-# launched processes' imports and collectives; two workers keep both cores of a CI machine busy. One
-# OpenMP thread per process (torchrun's own default for its ranks): with every core already taken,
-# a second thread's spin-waits only burn CPU. DTRAIN_TEST_WORKERS=0 runs everything in this process.
+# launched processes' imports and collectives; two workers keep both cores of a CI machine busy.
+# DTRAIN_TEST_WORKERS=0 runs everything in this process.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/venv.sh"
 cd "$ROOT"
 ruff check .
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 python -m pytest -n "${DTRAIN_TEST_WORKERS:-2}" --dist loadfile "$@"
