@@ -25,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dtrain.bench.__main__ import print_table  # noqa: E402
 from dtrain.bench.variants import (  # noqa: E402
     TINY_MODEL,
     Result,
@@ -33,7 +34,6 @@ from dtrain.bench.variants import (  # noqa: E402
     make_batch,
     measure,
     plain_loop,
-    print_table,
 )
 from dtrain.config import ParallelConfig  # noqa: E402
 from dtrain.distributed import init_distributed  # noqa: E402
@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true", help="eager variants only")
+    parser.add_argument("--json", type=Path, help="also write the final table's rows (and syncs) here")
     args = parser.parse_args(argv)
     if args.dry_run:
         args.batch, args.seq, args.warmup, args.steps, args.rounds = 2, 64, 1, 1, 1
@@ -113,11 +114,18 @@ def main(argv: list[str] | None = None) -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if device.type == "cuda":
-        print(f"host syncs per dtrain 1x1 step (eager, unpacked): {syncs_per_step(model, args, device)}")
+    syncs = syncs_per_step(model, args, device) if device.type == "cuda" else None
+    if syncs is not None:
+        print(f"host syncs per dtrain 1x1 step (eager, unpacked): {syncs}")
     header = f"Llama-3.2-1B shape, batch {args.batch} x seq {args.seq}, bf16" if not args.dry_run else ""
     print()
-    print_table(results, device, (header or "dry run, tiny model") + f"; {time.perf_counter() - start:.0f} s")
+    header = (header or "dry run, tiny model") + f"; {time.perf_counter() - start:.0f} s"
+    rows = print_table(results, device, header)
+    if args.json:
+        failed = [r for r in results if isinstance(r, str)]
+        args.json.write_text(
+            json.dumps(dict(header=header, rows=rows, failed=failed, host_syncs=syncs), indent=1)
+        )
 
 
 if __name__ == "__main__":

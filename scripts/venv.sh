@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Make .venv (once) and install dtrain into it. Sourced by the other scripts.
-# A torch already visible to python3 (your own CUDA build) is kept: the venv sees system
-# site-packages. Without one, the CPU build torch==2.13.0 is installed.
+# A torch already visible to python3 (your own CUDA build) is kept: only then does the venv see
+# system site-packages. Without one the venv is plain (the system's other packages, pytest plugins
+# included, stay out of the project's pytest) and the CPU build torch==2.13.0 is installed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${DTRAIN_VENV:-$ROOT/.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "[setup] creating $VENV"
-  python3 -m venv --system-site-packages "$VENV"
+  if python3 -c "import torch" 2>/dev/null; then
+    echo "[setup] creating $VENV (seeing the system's torch: $(python3 -c 'import torch; print(torch.__version__)'))"
+    python3 -m venv --system-site-packages "$VENV"
+  else
+    echo "[setup] creating $VENV"
+    python3 -m venv "$VENV"
+  fi
 fi
 PY="$VENV/bin/python"
 if ! "$PY" -c "import torch" 2>/dev/null; then

@@ -427,20 +427,23 @@ def check_sharding(
     cp: int = 1,
     replicate: int = 1,
 ) -> None:
-    """Parameters, gradients and AdamW states: DTensors on the one mesh with the parameter's
-    placements. The mesh: dp_replicate (HSDP, where replicate > 1), then the FSDP axis (dp_shard, or
-    dp_shard_cp where cp > 1: FSDP shards over dp_shard × cp), then tp; at tp = 1 no TP is applied
-    and there is no tp axis. Each parameter is replicated over dp_replicate, sharded over the FSDP
-    axis, each local shard at most ceil(numel / (dp·cp·tp)) where tp shards it, else
-    ceil(numel / (dp·cp)); the embedding, lm_head and projections are sharded over tp."""
+    """Parameters, gradients and AdamW states (exp_avg and exp_avg_sq required on every parameter,
+    with its step): DTensors on the one mesh with the parameter's placements. The mesh: dp_replicate
+    (HSDP, where replicate > 1), then the FSDP axis (dp_shard, or dp_shard_cp where cp > 1: FSDP
+    shards over dp_shard × cp), then tp; at tp = 1 no TP is applied and there is no tp axis. Each
+    parameter is replicated over dp_replicate, sharded over the FSDP axis, each local shard at most
+    ceil(numel / (dp·cp·tp)) where tp shards it, else ceil(numel / (dp·cp)); the embedding, lm_head
+    and projections are sharded over tp."""
     fsdp = "dp_shard_cp" if cp > 1 else "dp_shard"
     names = (*(("dp_replicate",) if replicate > 1 else ()), fsdp, *(("tp",) if tp > 1 else ()))
     shards = dp * cp
     for name, param in model.named_parameters():
-        states = optimizer.state[param]
-        for label, tensor in [("param", param), ("grad", param.grad), *states.items()]:
-            if label == "step":
-                continue
+        # .get, not [...]: optimizer.state is a defaultdict, and a parameter without state must fail
+        states = optimizer.state.get(param, {})
+        missing = {"exp_avg", "exp_avg_sq", "step"} - set(states)
+        assert not missing, f"{name} has no AdamW {sorted(missing)}"
+        moments = [(key, states[key]) for key in ("exp_avg", "exp_avg_sq")]
+        for label, tensor in [("param", param), ("grad", param.grad), *moments]:
             assert isinstance(tensor, DTensor), f"{label} of {name} is not a DTensor"
             assert tuple(tensor.device_mesh.mesh_dim_names) == names, (
                 f"{label} of {name}: {tensor.device_mesh}"
@@ -465,3 +468,18 @@ def one_backward(model: torch.nn.Module) -> None:
     positions = torch.arange(MAX_LEN).expand(2, -1)
     with loss_context(True):
         summed_cross_entropy(model(input_ids=ids, position_ids=positions).logits, ids).backward()
+
+
+def assert_adam_state_equal(before: dict[str, dict], after: dict[str, dict]) -> None:
+    """Every parameter's AdamW state unchanged (what a skipped step must leave): `before` and `after`
+    map parameter names to their state (a checkpoint's `optimizer.state`, after dcp_to_torch_save);
+    both name the same parameters, each with exp_avg, exp_avg_sq and step, each tensor bitwise equal."""
+    assert before, "no optimizer state to compare"
+    assert set(before) == set(after), sorted(set(before) ^ set(after))
+    for name in before:
+        for side, state in (("before", before[name]), ("after", after[name])):
+            missing = {"exp_avg", "exp_avg_sq", "step"} - set(state)
+            assert not missing, f"{name} has no {sorted(missing)} {side}"
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            old, new = torch.as_tensor(before[name][key]), torch.as_tensor(after[name][key])
+            assert torch.equal(old, new), f"{name}: {key} changed"

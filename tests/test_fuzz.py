@@ -1,12 +1,14 @@
 """Property-based tests of the data pipeline on random and hostile input (hypothesis, bounded
 example counts): every record gives a clear ConfigError or a counted row, never another exception,
-an overlong row, or a kept row without a target (which would make a NaN loss)."""
+an overlong row, or a kept row without a target (which would make a NaN loss). Each property counts
+its outcomes and requires both kept rows and refusals among them, so strategies that only ever
+produced one kind (every record refused, say) would fail instead of passing vacuously."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,9 +41,16 @@ message = st.one_of(
     ),
     values,
 )
+# A well-formed conversation (user and assistant turns of short text) among the hostile ones, so that
+# the messages property also sees rows kept (the hostile lists alone are almost always refused).
+conversation = st.lists(
+    st.tuples(st.text(min_size=1, max_size=20), st.text(min_size=1, max_size=20)), min_size=1, max_size=2
+).map(lambda turns: [{"role": r, "content": c} for u, a in turns for r, c in (("user", u), ("assistant", a))])
 
 
-def check(record: dict, data: DataConfig) -> None:
+def check(record: dict, data: DataConfig) -> str:
+    """The record's outcome: "refused" (a ConfigError naming the example) or the row's status, after
+    checking the row's invariants."""
     (source,) = data.sources()
     try:
         row = tokenize_example(
@@ -49,30 +58,54 @@ def check(record: dict, data: DataConfig) -> None:
         )
     except ConfigError as error:
         assert "example 7" in str(error)  # the error says which example
-        return
+        return "refused"
     assert row["status"] in STATUSES
     assert row["length"] == len(row["input_ids"]) == len(row["mask"]) <= MAX_LEN
     if row["status"] in KEPT:
         assert any(row["mask"][1:]), "a kept row must have a target"
+        return "kept"
+    return row["status"]
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(prompt=values, response=values, system=values, overlong=st.sampled_from(["truncate", "drop"]))
-def test_prompt_response_records(prompt, response, system, overlong):
-    data = DataConfig(path="fuzz.jsonl", system_key="system", overlong=overlong)
-    check({"prompt": prompt, "response": response, "system": system}, data)
+def assert_both_outcomes(outcomes: Counter) -> None:
+    assert outcomes["kept"] > 0 and outcomes["refused"] > 0, dict(outcomes)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(messages=st.one_of(values, st.lists(message, max_size=5)))
-def test_messages_records(messages):
-    check({"messages": messages}, DataConfig(path="fuzz.jsonl", format="messages"))
+def test_prompt_response_records():
+    outcomes = Counter()
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(prompt=values, response=values, system=values, overlong=st.sampled_from(["truncate", "drop"]))
+    def records(prompt, response, system, overlong):
+        data = DataConfig(path="fuzz.jsonl", system_key="system", overlong=overlong)
+        outcomes[check({"prompt": prompt, "response": response, "system": system}, data)] += 1
+
+    records()
+    assert_both_outcomes(outcomes)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(text=values)
-def test_text_records(text):
-    check({"text": text}, DataConfig(path="fuzz.jsonl", format="text"))
+def test_messages_records():
+    outcomes = Counter()
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(messages=st.one_of(values, st.lists(message, max_size=5), conversation))
+    def records(messages):
+        outcomes[check({"messages": messages}, DataConfig(path="fuzz.jsonl", format="messages"))] += 1
+
+    records()
+    assert_both_outcomes(outcomes)
+
+
+def test_text_records():
+    outcomes = Counter()
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(text=values)
+    def records(text):
+        outcomes[check({"text": text}, DataConfig(path="fuzz.jsonl", format="text"))] += 1
+
+    records()
+    assert_both_outcomes(outcomes)
 
 
 line = st.one_of(
@@ -80,34 +113,35 @@ line = st.one_of(
     st.dictionaries(st.sampled_from(["prompt", "response", "other"]), values, max_size=3).map(json.dumps),
     st.text(max_size=20),  # not JSON at all
 )
+# Files of well-formed records only (short non-blank text): with any hostile line a file is refused
+# whole, so these are what give the property its prepared files.
+good_line = st.fixed_dictionaries(
+    {
+        "prompt": st.text(min_size=1, max_size=20),
+        "response": st.text(min_size=3, max_size=20).filter(str.strip),
+    }
+).map(json.dumps)
 
 
-@settings(
-    max_examples=12,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-@given(lines=st.lists(line, min_size=0, max_size=6))
-def test_whole_files(tmp_path_factory, lines):
+def test_whole_files(tmp_path_factory):
     """Through datasets: a file is either prepared into rows or refused with a ConfigError."""
-    path = tmp_path_factory.mktemp("fuzz") / "data.jsonl"
-    path.write_text("\n".join(lines), encoding="utf-8")
-    try:
-        examples, _ = prepare(DataConfig(path=str(path), max_len=MAX_LEN), TOKENIZER_, seed=0)
-    except ConfigError as error:
-        assert str(path) in str(error) or "data.path" in str(error), error
-        return
-    assert len(examples) > 0
-    for mask, length in zip(examples["mask"], examples["length"], strict=True):
-        assert length <= MAX_LEN and any(mask[1:])
+    outcomes = Counter()
 
+    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(lines=st.one_of(st.lists(line, max_size=6), st.lists(good_line, min_size=1, max_size=4)))
+    def files(lines):
+        path = tmp_path_factory.mktemp("fuzz") / "data.jsonl"
+        path.write_text("\n".join(lines), encoding="utf-8")
+        try:
+            examples, _ = prepare(DataConfig(path=str(path), max_len=MAX_LEN), TOKENIZER_, seed=0)
+        except ConfigError as error:
+            assert str(path) in str(error) or "data.path" in str(error), error
+            outcomes["refused"] += 1
+            return
+        assert len(examples) > 0
+        for mask, length in zip(examples["mask"], examples["length"], strict=True):
+            assert length <= MAX_LEN and any(mask[1:])
+        outcomes["kept"] += 1
 
-def test_the_fuzzers_reach_both_outcomes():
-    """Guard against strategies that never produce an error, or never a row."""
-    good = {"prompt": "sort: b a", "response": "a b", "system": None}
-    with pytest.raises(ConfigError):
-        (source,) = DataConfig(path="fuzz.jsonl", system_key="system").sources()
-        tokenize_example(good, 7, tokenizer=TOKENIZER_, source=source, max_len=MAX_LEN, overlong="truncate")
-    good["system"] = "be brief"
-    row = tokenize_example(good, 7, tokenizer=TOKENIZER_, source=source, max_len=MAX_LEN, overlong="truncate")
-    assert row["status"] in KEPT
+    files()
+    assert_both_outcomes(outcomes)

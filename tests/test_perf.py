@@ -143,8 +143,9 @@ def test_bad_perf_settings_name_the_key(key, value):
 
 @pytest.mark.slow
 def test_bench_prints_one_table_of_every_variant():
-    """Smoke plus the table's own arithmetic (no timed assertion): one invocation, one row per
-    variant (the HF Trainer one, or why it did not run), a 2-process mesh from torchrun workers."""
+    """Smoke (no timed assertion, and none of the table's own arithmetic, which only restates
+    itself): one invocation, one row per variant (the HF Trainer one, or why it did not run), a
+    2-process mesh from torchrun workers, fewer supervised tokens than tokens (the prompts)."""
     command = [sys.executable, "-m", "dtrain.bench", "--seq", "16", "--steps", "1", "--warmup", "1"]
     command += ["--rounds", "1", "--meshes", "2x1"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -158,12 +159,10 @@ def test_bench_prints_one_table_of_every_variant():
     names += ["dtrain 1x1 fused loss_chunk=64", "dtrain 2x1"]
     assert [name for name in rows if not name.startswith("HF")] == names, result.stdout
     assert "HF Trainer" in rows or any(line.startswith("HF Trainer: not run") for line in lines)
-    assert rows[names[0]][-1] == "1.00"
     for name in names:
-        devices, rate, supervised, per_device, mfu, _, memory, _ = rows[name]
+        devices, rate, supervised, _, mfu, _, memory, _ = rows[name]
         assert (mfu, memory) == ("-", "-"), name  # no peak FLOP/s and no per-variant memory on CPU
-        assert float(supervised) < float(rate), name  # prompt positions carry no targets
-        assert float(per_device) == pytest.approx(float(rate) / int(devices), abs=1), name
+        assert 0 < float(supervised) < float(rate), name  # prompt positions carry no targets
     assert rows["dtrain 2x1"][0] == "2"
 
 
