@@ -3,6 +3,7 @@ Hugging Face export round trip, and bad checkpoints (gloo, CPU)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 from pathlib import Path
@@ -182,3 +183,39 @@ def test_a_sharded_hf_folder_imports_slice_by_slice(runs):
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     assert ((saved["sharded_import"]["logits"] - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
+@pytest.mark.slow
+def test_each_rank_reads_and_writes_only_its_slices(runs):
+    """ "Each rank reads only its slices" (docs/models.md) and "every rank writes its shards"
+    (docs/checkpoints.md) on 2×2, by what the files returned and what the write plans carried: on
+    import each rank read exactly the elements of its own shard of every tensor, no more; on export
+    each rank wrote at most its shard, and the ranks together wrote every element once."""
+    _, saved = runs
+    for rank, (reads, sizes) in enumerate(saved["sharded_import"]["reads"]):
+        assert set(reads) == set(sizes), (rank, sorted(set(reads) ^ set(sizes)))
+        for key, count in reads.items():
+            local, whole = sizes[key]
+            assert count == local < whole, (rank, key, count, local, whole)
+    written = collections.Counter()
+    for rank, (writes, sizes) in enumerate(saved["export_writes"]):
+        assert set(writes) <= set(sizes), (rank, sorted(set(writes) - set(sizes)))
+        for key, count in writes.items():
+            assert count <= sizes[key][0], (rank, key, count, sizes[key])
+        written.update(writes)
+    sizes = saved["export_writes"][0][1]
+    assert written == {key: whole for key, (_, whole) in sizes.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["seed", "shuffle"])
+def test_a_resume_whose_seed_or_shuffle_differ_is_refused(runs, key):
+    """train.seed=7 or data.shuffle=false against a checkpoint saved with seed 0, shuffled: the data
+    order would not continue the saved one, so the loader's state is refused, naming the key."""
+    _, saved = runs
+    error = saved[f"changed_{key}"]["error"]
+    checkpointed, now = {"seed": ("0", "7"), "shuffle": ("True", "False")}[key]
+    assert error == (
+        f"data loader state: {key}={checkpointed} in the checkpoint, {now} now; "
+        "the data, packing, train.seed or data.shuffle changed since it was saved"
+    )

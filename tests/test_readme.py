@@ -2,23 +2,32 @@
 it, from a folder outside the repo, so an edit that breaks one fails here. What a 2-core CPU
 machine without network cannot run as written is changed by SUBSTITUTIONS (applied to the block's
 text, each listed with why), and every `dtrain.sft` run gets TINY_RUN (a step count this machine
-affords) and a run folder of its own. `./launch/local.sh` and `./scripts/test.sh` are run by
-test_cli.py and by CI; the commands that need a cluster (sbatch, kubectl, submitit_slurm) or take
+affords) and a run folder of its own. Each command must leave what it makes (a run's config and
+metrics, a sweep's jobs, an export, a plot, a plan's table). COVERED_ELSEWHERE names the commands
+another test already runs as typed; the commands that need a cluster (sbatch, kubectl, submitit_slurm) or take
 long (the benchmark, the GPU check) are inline text, not bash blocks, and test_launch.py runs the
 cluster ones' local equivalents."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, run, save_user_model, write_user_dataset
+from tests.helpers import ROOT, read_metrics, run, save_user_model, write_user_dataset
 
-COVERED_ELSEWHERE = {"./launch/local.sh", "./scripts/test.sh"}
+# Commands another test already runs as typed (so this file does not pay for them twice):
+COVERED_ELSEWHERE = {
+    "./launch/local.sh",  # test_cli.py
+    "./scripts/test.sh",  # CI itself
+    # test_cli.py's ./launch/local.sh is this torchrun of the embedded default at NPROC=4
+    "torchrun --nproc_per_node=4 -m dtrain.sft",
+    # test_estimate.py plans this Llama-3-8B experiment through the same CLI (its JSON output)
+    "python -m dtrain.estimate +experiment=llama3_tp4 estimate.world_size=4",
+}
 TINY_RUN = ["train.max_steps=2"]
 # A hub model cannot be downloaded here: experiments run on the fixture folder (4 KV heads, so tp=4
 # divides them) with a batch and length a CPU affords; the rest keeps the experiment's settings.
@@ -67,7 +76,7 @@ def test_the_docs_have_their_commands():
     assert any("model.name_or_path=/path/to/hf_folder" in command for command in COMMANDS["README.md"])
     assert len(COMMANDS["README.md"]) >= 9, COMMANDS["README.md"]  # set-up, Use and the sweep
     assert any("dtrain.export" in command for command in COMMANDS["docs/checkpoints.md"])
-    assert len(RUNNABLE) >= 10, RUNNABLE  # Use, sweep, checkpoint: save, resume, export
+    assert len(RUNNABLE) >= 8, RUNNABLE  # Use, sweep and its plot, checkpoint: save, resume, export
 
 
 @pytest.fixture(scope="module")
@@ -112,4 +121,29 @@ def test_readme_command_runs(workdir, index):
     args = as_run_here(RUNNABLE[index], index, fixtures)
     result = run(args, timeout=300, cwd=folder, env={"DTRAIN_RUN_ID": run_id(index)})
     assert result.returncode == 0, f"{shlex.join(args)}\n{result.stdout[-5000:]}"
-    assert os.path.isdir(folder)
+    assert_made_its_outputs(args, folder, index, result.stdout)
+
+
+def assert_made_its_outputs(args: list[str], folder: Path, index: int, stdout: str) -> None:
+    """What each kind of command leaves: a run's config.yaml and its metrics up to TINY_RUN's step
+    (a resume of the final checkpoint has no step left to log), every sweep job's metrics, an
+    export's config.json and weights, a plot's PNG, a plan's table."""
+    if "dtrain.sft" in args:
+        if "--multirun" in args:
+            (jobs,) = [len(a.split("=", 1)[1].split(",")) for a in args if "=" in a and "," in a]
+            for job in range(jobs):
+                assert read_metrics(folder / "multirun" / run_id(index) / str(job))[-1]["step"] == 2, job
+            return
+        (run_dir,) = [folder / a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")]
+        assert (run_dir / "config.yaml").is_file(), run_dir
+        if not any(a.startswith("checkpoint.resume=") for a in args):
+            assert read_metrics(run_dir)[-1]["step"] == 2
+    elif "dtrain.export" in args:
+        out = folder / args[args.index("dtrain.export") + 2]
+        assert (out / "config.json").is_file() and list(out.glob("*.safetensors")), sorted(out.iterdir())
+    elif "dtrain.plot" in args:
+        assert (folder / args[args.index("dtrain.plot") + 1] / "curves.png").is_file()
+    elif "dtrain.estimate" in args:
+        assert "peak" in stdout, stdout[-3000:]
+    else:
+        raise AssertionError(f"no expected output for {shlex.join(args)}: add its kind here")

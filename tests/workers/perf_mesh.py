@@ -9,6 +9,8 @@
   (auto: all but the last); with fsdp_prefetch=2 too, loss and gradients are unchanged.
 - dtrain's training step reads one value on the host (a device sync on GPUs): the gradient norm,
   for the skip decision. The ranks' agreement reads host flags on a gloo group of its own.
+- train.precision=bf16 gathers bf16 parameters and reduce-scatters fp32 gradients: the dtypes of
+  the tensors FSDP hands to the collectives in a real step (a bf16 reduction would fail this).
 - fused AdamW on the DTensor parameters keeps no objects across steps: the live DTensorSpecs do not
   grow with steps (before torch 2.13 it leaked one per parameter per step, pytorch#188174).
 1×1 checks (--single):
@@ -243,6 +245,35 @@ def check_optimizer_keeps_no_specs(model: torch.nn.Module, config: Config) -> No
     assert grown < len(params), f"{grown} more DTensorSpecs after 3 steps ({len(params)} parameters)"
 
 
+def check_bf16_reduces_gradients_in_fp32(device: torch.device) -> None:
+    """One bf16 step on 2×2, watching the collectives FSDP calls: every gradient reduce-scatter's
+    input is fp32 (reduce_dtype), and the parameter all-gathers move bf16 (param_dtype, so the
+    policy is on). Only the collectives are wrapped; they still run."""
+    config = config_with(2, 2)
+    config.train.precision = "bf16"
+    model = sharded_model(config, device)
+    seen: dict[str, set] = {"reduce_scatter": set(), "all_gather": set()}
+
+    def watching(kind: str, collective):
+        def wrapped(*args, **kwargs):
+            tensor = kwargs.get("input", kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
+            seen[kind].add(tensor.dtype)
+            return collective(*args, **kwargs)
+
+        return wrapped
+
+    with (
+        mock.patch.object(
+            dist, "reduce_scatter_single", watching("reduce_scatter", dist.reduce_scatter_single)
+        ),
+        mock.patch.object(dist, "all_gather_single", watching("all_gather", dist.all_gather_single)),
+    ):
+        mb = batch(0)
+        micro_step(model, mb, (mb["labels"] != IGNORE).sum().float(), True)
+    assert seen == {"reduce_scatter": {torch.float32}, "all_gather": {torch.bfloat16}}, seen
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
 def check_single(device: torch.device) -> None:
     config = config_with(1, 1)
     eager = sharded_model(config, device)
@@ -273,6 +304,7 @@ def main() -> None:
         reference = loss_and_grads(model, batch(0), 0)
         check_activation_checkpointing(reference, device)
         check_reshard_and_prefetch(reference, device)
+        check_bf16_reduces_gradients_in_fp32(device)
         check_optimizer_keeps_no_specs(model, parity_config(None, dp=2, tp=2))
         check_host_reads_per_step(device, args.done.parent)
     dist.barrier()

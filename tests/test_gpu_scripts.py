@@ -1,0 +1,45 @@
+"""The GPU scripts run in CI: `bench/gpu_all.sh --dry-run` goes through every step of the device run
+(bench/gpu_estimate_check.py's plan and real step, a 1-process `torchrun -m dtrain.sft` in bf16,
+bench/gpu_check.py's variants) on the CPU with tiny shapes, over the same code as on CUDA, so the
+first lent GPU is not spent on an ImportError or a bad flag. No figure here is a GPU figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, read_metrics, run
+
+pytestmark = pytest.mark.slow  # launches the script's processes
+
+
+def test_gpu_all_dry_run_runs_every_check(tmp_path):
+    out = tmp_path / "out"
+    env = {
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+    }
+    result = run(["bash", str(ROOT / "bench" / "gpu_all.sh"), "--dry-run"], timeout=1200, env=env)
+    assert result.returncode == 0, result.stdout[-6000:]
+    rows = {line.split()[0]: line.split()[1] for line in (out / "summary.txt").read_text().splitlines()[1:]}
+    # no test is CUDA-only today (gpu_all.sh's CUDA_ONLY): the row says so instead of running nothing
+    assert rows == {"estimate": "ok", "sft": "ok", "cuda_tests": "none", "gpu_check": "ok"}, rows
+
+    estimate = json.loads((out / "estimate.json").read_text())
+    assert (
+        estimate["cuda_peak"] is None and estimate["measured_by"] == "tracker"
+    )  # the CPU has no allocator peak
+    assert abs(estimate["ratio"] - 1) <= 0.10, estimate  # the planner against the real step's tracker
+
+    assert [record["step"] for record in read_metrics(out / "sft") if "loss" in record] == [1, 2]
+
+    check = json.loads((out / "gpu_check.json").read_text())
+    assert check["failed"] == [], check["failed"]
+    names = [row["variant"] for row in check["rows"]]
+    for shape in ("eager, unpacked", "eager, packed", "compiled, unpacked", "compiled, packed"):
+        for variant in ("plain loop", "dtrain 1x1", "dtrain 1x1 fused"):
+            assert f"{variant}, {shape}" in names, names
