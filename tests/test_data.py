@@ -8,6 +8,7 @@ import math
 import re
 import sys
 from collections import Counter
+from pathlib import Path
 
 import datasets
 import pyarrow as pa
@@ -325,6 +326,18 @@ def test_loader_state_from_other_data_is_refused(rows_by_packing):
         loaders(rows_by_packing[False], dp=1)[0].load_state_dict(state)
 
 
+@pytest.mark.parametrize("key,value", [("seed", 6), ("shuffle", False)])
+def test_loader_state_of_another_seed_or_order_is_refused(rows_by_packing, key, value):
+    """The same rows in another order would not continue the saved stream (loaders(): seed 5, shuffled)."""
+    rows = rows_by_packing[False]
+    state = loaders(rows, dp=1)[0].state_dict()
+    other = dict(
+        rows=rows, global_batch_size=4, micro_batch_size=1, dp_rank=0, dp_size=1, seed=5, shuffle=True
+    )
+    with pytest.raises(ConfigError, match=f"{key}={state[key]!r} in the checkpoint, {value!r} now"):
+        SFTLoader(**{**other, key: value}).load_state_dict(state)
+
+
 # Bad input through the real CLI: (file contents or None, overrides, expected words of the message).
 BAD_RECORD = '{"prompt": "sort: b a", bad json}\n'
 BAD_INPUT = {
@@ -345,53 +358,102 @@ BAD_INPUT = {
 }
 SFT = [sys.executable, "-m", "dtrain.sft", "parallel.tp=1", "train.max_steps=2"]
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+BAD_MIX = {
+    "unknown key": ("input_kye: q", "data.mix[0].input_kye: unknown key; an entry takes path, split,"),
+    "wrong type": (
+        "weight: heavy",
+        "data.mix[0].weight: Value 'heavy' of type 'str' could not be converted to Float",
+    ),
+}
 
 
-def cli(tmp_path, records, overrides, nproc: int = 1) -> tuple[int, str]:
-    path = DATASET if records is None else tmp_path / "d.jsonl"
+def cli_args(folder: Path, records, overrides) -> list[str]:
+    """A command's overrides: its own data file in `folder` (unless it names data.path) and run folder."""
+    path = DATASET if records is None else folder / "d.jsonl"
     if records is not None:
         path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in records))
     if not any(o.startswith("data.path=") for o in overrides):
         overrides = [f"data.path={path}", *overrides]
+    return [*SFT[3:], *overrides, f"hydra.run.dir={folder}/run"]
+
+
+def cli(tmp_path, records, overrides, nproc: int = 1) -> tuple[int, str]:
     env = {**OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")}
-    args = [*overrides, f"hydra.run.dir={tmp_path}/run"]
+    args = cli_args(tmp_path, records, overrides)
     if nproc == 1:
-        result = run([*SFT, *args], timeout=180, env=env)
+        result = run([*SFT[:3], *args], timeout=180, env=env)
     else:
-        result = torchrun(nproc, *SFT[1:], *args, timeout=180, env=env)
+        result = torchrun(nproc, *SFT[1:3], *args, timeout=180, env=env)
     return result.returncode, result.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case,nproc", [(case, 1) for case in BAD_INPUT] + [("malformed JSON", 2)])
-def test_bad_input_fails_through_the_cli_with_its_message(tmp_path, case, nproc):
-    """With 2 processes the error found while rank 0 prepares the data reaches the other rank too:
-    both exit with it instead of one waiting in a barrier."""
-    records, overrides, words = BAD_INPUT[case]
-    returncode, output = cli(tmp_path, records, overrides, nproc)
-    assert returncode != 0 if nproc > 1 else returncode == 2, output[-3000:]
+@pytest.fixture(scope="module")
+def bad_commands(tmp_path_factory) -> dict[str, dict]:
+    """Every one-process bad command of this file (BAD_INPUT, BAD_MIX), run by tests/workers/cli_many
+    in one interpreter: `dtrain.sft.main()` with each argv, as `python -m dtrain.sft` runs it, without
+    paying an interpreter's start-up per message. {name: {"returncode", "output"}}."""
+    root = tmp_path_factory.mktemp("bad_cli")
+    commands = {}
+    for case, (records, overrides, _) in BAD_INPUT.items():
+        folder = root / case.replace(" ", "_")
+        folder.mkdir()
+        commands[case] = cli_args(folder, records, overrides)
+    for case, (entry, _) in BAD_MIX.items():
+        folder = root / case.replace(" ", "_")
+        folder.mkdir()
+        commands[case] = cli_args(folder, None, [f"data.mix=[{{path: {DATASET}, {entry}}}]"])
+    (root / "commands.json").write_text(json.dumps(commands))
+    env = {**OFFLINE, "HF_DATASETS_CACHE": str(root / "hf_cache")}
+    runner = [
+        sys.executable,
+        "-m",
+        "tests.workers.cli_many",
+        str(root / "commands.json"),
+        str(root / "out.json"),
+    ]
+    result = run(runner, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-4000:]
+    results = json.loads((root / "out.json").read_text())
+    for name, outcome in results.items():  # each folder is left as its command left it
+        outcome["run_dir"] = root / name.replace(" ", "_") / "run"
+    return results
+
+
+def assert_refused_with(returncode: int, output: str, words: list[str]) -> None:
+    assert returncode == 2, output[-3000:]
     for word in words:
         assert word in output, output[-3000:]
     assert not re.search(r'File "[^"]*/dtrain/[^"]*", line', output), output[-3000:]
 
 
-@pytest.mark.parametrize(
-    "entry,message",
-    [
-        ("input_kye: q", "data.mix[0].input_kye: unknown key; an entry takes path, split,"),
-        ("weight: heavy", "data.mix[0].weight: Value 'heavy' of type 'str' could not be converted to Float"),
-    ],
-    ids=["unknown key", "wrong type"],
-)
 @pytest.mark.slow
-def test_a_bad_mix_entry_fails_through_the_cli_naming_its_key(tmp_path, entry, message):
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_fails_through_the_cli_with_its_message(bad_commands, case):
+    outcome = bad_commands[case]
+    assert_refused_with(outcome["returncode"], outcome["output"], BAD_INPUT[case][2])
+
+
+@pytest.mark.slow
+def test_bad_input_reaches_both_ranks_of_2_processes(tmp_path):
+    """The error found while rank 0 prepares the data reaches the other rank too: both exit with
+    it instead of one waiting in a barrier (torchrun exits 1 when its workers do, naming their 2)."""
+    records, overrides, words = BAD_INPUT["malformed JSON"]
+    returncode, output = cli(tmp_path, records, overrides, nproc=2)
+    assert returncode == 1 and re.search(r"exitcode\s*: 2 ", output), output[-3000:]
+    assert_refused_with(2, output, words)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(BAD_MIX))
+def test_a_bad_mix_entry_fails_through_the_cli_naming_its_key(bad_commands, case):
     """data.mix entries are checked with the rest of the config, before any process group: exit 2
     and one line naming data.mix[i].KEY (OmegaConf's own multi-line report does not reach the user)."""
-    returncode, output = cli(tmp_path, None, [f"data.mix=[{{path: {DATASET}, {entry}}}]"])
+    outcome = bad_commands[case]
+    output = outcome["output"]
     errors = [line for line in output.splitlines() if "error" in line.lower()]
-    assert returncode == 2 and len(errors) == 1, output[-3000:]
-    assert errors[0].startswith(f"dtrain: error: {message}"), output[-3000:]
-    assert "full_key" not in output and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert outcome["returncode"] == 2 and len(errors) == 1, output[-3000:]
+    assert errors[0].startswith(f"dtrain: error: {BAD_MIX[case][1]}"), output[-3000:]
+    assert "full_key" not in output and not (outcome["run_dir"] / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
