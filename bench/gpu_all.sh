@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check, in one command for a lent device (issue 32):
 #
-#   bench/gpu_all.sh              # on the GPU machine, from the repository root; figures under $OUT
+#   bench/gpu_all.sh              # on the GPU machine; figures under $OUT (else a new temporary folder)
 #   bench/gpu_all.sh --dry-run    # the same steps on the CPU with tiny shapes (tests/test_gpu_scripts.py)
 #
 # 1. `pip install -e .` against the machine's own CUDA torch: a constraint pins torch to the version
@@ -23,82 +23,89 @@
 # T_ESTIMATE, T_SFT, T_TESTS and T_GPU_CHECK; on the GPU the defaults sum to 9 minutes, under one
 # device command; the dry run allows each 5 minutes (a shared CPU is slow, and it times nothing).
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-DRY=0
-[ "${1:-}" = "--dry-run" ] && DRY=1
-OUT="${OUT:-$ROOT/gpu_out}"
-mkdir -p "$OUT"
-PYTHON="${PYTHON:-python3}"
-ROWS=()
-FAILED=0
 
-# check NAME SECONDS FIGURES COMMAND...: run COMMAND under `timeout`, output in $OUT/NAME.log
-check() {
-  local name="$1" limit="$2" figures="$3"
-  shift 3
-  echo "=== $name (limit ${limit}s): $*"
-  local start=$SECONDS status
-  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  case $rc in
-    0) status="ok" ;;
-    124 | 137) status="TIMEOUT" ;;
-    *) status="FAIL($rc)" ;;
-  esac
-  [ "$status" = "ok" ] || FAILED=1
-  tail -n 15 "$OUT/$name.log"
-  ROWS+=("$(printf '%-12s %-10s %6ss  %s' "$name" "$status" "$((SECONDS - start))" "$figures")")
-}
+# One function, parsed whole before it runs: editing this file during a run cannot break that run.
+main() {
+  ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  cd "$ROOT"
+  DRY=0
+  [ "${1:-}" = "--dry-run" ] && DRY=1
+  OUT="${OUT:-$(mktemp -d -t dtrain-gpu-XXXX)}"  # the device tool sets OUT: what it writes there comes back
+  mkdir -p "$OUT"
+  PYTHON="${PYTHON:-python3}"
+  ROWS=()
+  FAILED=0
 
-TORCH_BEFORE="$("$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda)')" || {
-  echo "gpu_all: no torch importable by $PYTHON"
-  exit 1
-}
-echo "torch $TORCH_BEFORE; dry run: $DRY; figures under $OUT"
-if [ "$DRY" = 1 ]; then
-  echo "dry run: dtrain is already installed in this environment; no pip install"
-  DRY_FLAG=(--dry-run)
-  SFT_STEPS=2
-  : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_TESTS:=300}" "${T_GPU_CHECK:=300}"
-else
-  echo "torch==${TORCH_BEFORE%% *}" >"$OUT/constraints.txt"
-  "$PYTHON" -m pip install -q -e "$ROOT" -c "$OUT/constraints.txt" >"$OUT/install.log" 2>&1 || {
-    tail -n 20 "$OUT/install.log"
-    echo "gpu_all: pip install -e . failed (log: $OUT/install.log)"
+  # check NAME SECONDS FIGURES COMMAND...: run COMMAND under `timeout`, output in $OUT/NAME.log
+  check() {
+    local name="$1" limit="$2" figures="$3"
+    shift 3
+    echo "=== $name (limit ${limit}s): $*"
+    local start=$SECONDS status
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    case $rc in
+      0) status="ok" ;;
+      124 | 137) status="TIMEOUT" ;;
+      *) status="FAIL($rc)" ;;
+    esac
+    [ "$status" = "ok" ] || FAILED=1
+    tail -n 15 "$OUT/$name.log"
+    ROWS+=("$(printf '%-12s %-10s %6ss  %s' "$name" "$status" "$((SECONDS - start))" "$figures")")
+  }
+
+  TORCH_BEFORE="$("$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda)')" || {
+    echo "gpu_all: no torch importable by $PYTHON"
     exit 1
   }
-  DRY_FLAG=()
-  SFT_STEPS=20
-fi
-TORCH_AFTER="$("$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
-[ "$TORCH_AFTER" = "$TORCH_BEFORE" ] || {
-  echo "gpu_all: torch changed from $TORCH_BEFORE to $TORCH_AFTER"
-  exit 1
+  echo "torch $TORCH_BEFORE; dry run: $DRY; figures under $OUT"
+  if [ "$DRY" = 1 ]; then
+    echo "dry run: dtrain is already installed in this environment; no pip install"
+    DRY_FLAG=(--dry-run)
+    SFT_STEPS=2
+    : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_TESTS:=300}" "${T_GPU_CHECK:=300}"
+  else
+    echo "torch==${TORCH_BEFORE%% *}" >"$OUT/constraints.txt"
+    "$PYTHON" -m pip install -q -e "$ROOT" -c "$OUT/constraints.txt" >"$OUT/install.log" 2>&1 || {
+      tail -n 20 "$OUT/install.log"
+      echo "gpu_all: pip install -e . failed (log: $OUT/install.log)"
+      exit 1
+    }
+    DRY_FLAG=()
+    SFT_STEPS=20
+  fi
+  TORCH_AFTER="$("$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+  [ "$TORCH_AFTER" = "$TORCH_BEFORE" ] || {
+    echo "gpu_all: torch changed from $TORCH_BEFORE to $TORCH_AFTER"
+    exit 1
+  }
+
+  check estimate "${T_ESTIMATE:-90}" "$OUT/estimate.json" \
+    "$PYTHON" bench/gpu_estimate_check.py "${DRY_FLAG[@]}" --json "$OUT/estimate.json"
+
+  check sft "${T_SFT:-120}" "$OUT/sft/metrics.jsonl" \
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.sft \
+    "train.max_steps=$SFT_STEPS" parallel.tp=1 train.precision=bf16 checkpoint.save_final=false \
+    "hydra.run.dir=$OUT/sft"
+
+  CUDA_ONLY='skipif(not torch.cuda.is_available(), reason="needs a GPU")'
+  mapfile -t CUDA_TESTS < <(grep -lF "$CUDA_ONLY" tests/test_*.py 2>/dev/null)
+  if [ "${#CUDA_TESTS[@]}" -gt 0 ]; then
+    check cuda_tests "${T_TESTS:-60}" "$OUT/cuda_tests.log" \
+      "$PYTHON" -m pytest -p no:cacheprovider -q -rs "${CUDA_TESTS[@]}"
+  else
+    ROWS+=("$(printf '%-12s %-10s %6ss  %s' cuda_tests "none" 0 "no test file holds $CUDA_ONLY")")
+  fi
+
+  check gpu_check "${T_GPU_CHECK:-270}" "$OUT/gpu_check.json" \
+    "$PYTHON" bench/gpu_check.py "${DRY_FLAG[@]}" --json "$OUT/gpu_check.json"
+
+  {
+    echo "check        status      time  figures"
+    printf '%s\n' "${ROWS[@]}"
+  } | tee "$OUT/summary.txt"
+  return $FAILED
 }
 
-check estimate "${T_ESTIMATE:-90}" "$OUT/estimate.json" \
-  "$PYTHON" bench/gpu_estimate_check.py "${DRY_FLAG[@]}" --json "$OUT/estimate.json"
-
-check sft "${T_SFT:-120}" "$OUT/sft/metrics.jsonl" \
-  "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.sft \
-  "train.max_steps=$SFT_STEPS" parallel.tp=1 train.precision=bf16 checkpoint.save_final=false \
-  "hydra.run.dir=$OUT/sft"
-
-CUDA_ONLY='skipif(not torch.cuda.is_available(), reason="needs a GPU")'
-mapfile -t CUDA_TESTS < <(grep -lF "$CUDA_ONLY" tests/test_*.py 2>/dev/null)
-if [ "${#CUDA_TESTS[@]}" -gt 0 ]; then
-  check cuda_tests "${T_TESTS:-60}" "$OUT/cuda_tests.log" \
-    "$PYTHON" -m pytest -p no:cacheprovider -q -rs "${CUDA_TESTS[@]}"
-else
-  ROWS+=("$(printf '%-12s %-10s %6ss  %s' cuda_tests "none" 0 "no test file holds $CUDA_ONLY")")
-fi
-
-check gpu_check "${T_GPU_CHECK:-270}" "$OUT/gpu_check.json" \
-  "$PYTHON" bench/gpu_check.py "${DRY_FLAG[@]}" --json "$OUT/gpu_check.json"
-
-{
-  echo "check        status      time  figures"
-  printf '%s\n' "${ROWS[@]}"
-} | tee "$OUT/summary.txt"
-exit $FAILED
+main "$@"
+exit $?
