@@ -144,10 +144,11 @@ def main() -> None:
     results = {}
     if dist.get_world_size() == 4:
         full = run("full", out, args.untied, 2, 2, device, every=4)
-        results["full"] = {"history": full.history, "logits": full_logits(full.model)}
+        # the export before any forward: the root module's parameters would stay gathered after one
         with recorded_writes() as writes:
             export_hf(full.model, load_tokenizer(str(args.untied)), out / "hf_untied", "fp32")
         results["export_writes"] = gathered((dict(writes), shard_sizes(full.model)))
+        results["full"] = {"history": full.history, "logits": full_logits(full.model)}
         for name, (dp, tp) in {"resume_2x2": (2, 2), "resume_1x4": (1, 4), "resume_4x1": (4, 1)}.items():
             results[name] = {"history": run(name, out / name, args.untied, dp, tp, device, step4).history}
         tied = run("tied", out / "tied", args.tied, 2, 2, device, steps=3)
@@ -155,10 +156,9 @@ def main() -> None:
         export_hf(tied.model, load_tokenizer(str(args.tied)), out / "hf_tied", "fp32")
         with recorded_reads() as reads:
             imported = sharded_model(parity_config(out / "sharded", 2, 2), device)
-        results["sharded_import"] = {
-            "logits": full_logits(imported),
-            "reads": gathered((dict(reads), shard_sizes(imported))),
-        }
+        # the shards before any forward: the root module's parameters stay gathered after one
+        reads = gathered((dict(reads), shard_sizes(imported)))
+        results["sharded_import"] = {"logits": full_logits(imported), "reads": reads}
         for dotted, value in (("train.seed", 7), ("data.shuffle", False)):  # the checkpoint's: 0, true
             name = f"changed_{dotted.split('.')[1]}"
             try:
