@@ -7,14 +7,14 @@ from __future__ import annotations
 import io
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
 
+import dtrain.plot
 from dtrain.sinks import ConsoleSink, wandb_credentials
-from tests.helpers import read_metrics, run, torchrun, wandb_records
+from tests.helpers import read_metrics, torchrun, wandb_records
 
 STEPS, LOG_EVERY = 4, 2
 FIGURES = [
@@ -99,21 +99,23 @@ def test_offline_wandb_run_holds_the_same_losses_and_the_config(run_2x2):
 
 
 @pytest.mark.slow
-def test_plot_draws_a_sweep_folder(run_2x2, tmp_path):
+def test_plot_draws_a_sweep_folder(run_2x2, tmp_path, capsys):
+    """`python -m dtrain.plot FOLDER` is dtrain.plot.main([FOLDER]): called here in this process
+    (the interpreter's and matplotlib's start-up is most of a fresh process's time)."""
     for job, lr in enumerate(["1e-3", "5e-4"]):  # a sweep folder's layout: SWEEP/JOB/{metrics,.hydra}
         (tmp_path / str(job) / ".hydra").mkdir(parents=True)
         shutil.copy(run_2x2 / "metrics.jsonl", tmp_path / str(job))
         (tmp_path / str(job) / ".hydra" / "overrides.yaml").write_text(f"- optim.lr={lr}\n")
-    result = run([sys.executable, "-m", "dtrain.plot", str(tmp_path)], timeout=120)
-    assert result.returncode == 0, result.stdout
-    assert "2 run(s)" in result.stdout
+    dtrain.plot.main([str(tmp_path)])
+    assert "2 run(s)" in capsys.readouterr().err
     height, width, _ = matplotlib.image.imread(tmp_path / "curves.png").shape
     assert width > 2 * height  # three panels side by side
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = run([sys.executable, "-m", "dtrain.plot", str(empty)], timeout=120)
-    assert result.returncode != 0 and "no metrics.jsonl" in result.stdout
+    with pytest.raises(SystemExit) as exit_:
+        dtrain.plot.main([str(empty)])
+    assert exit_.value.code != 0 and "no metrics.jsonl" in str(exit_.value.code)
 
 
 class Terminal(io.StringIO):
