@@ -159,6 +159,11 @@ def main() -> None:
         # the shards before any forward: the root module's parameters stay gathered after one
         reads = gathered((dict(reads), shard_sizes(imported)))
         results["sharded_import"] = {"logits": full_logits(imported), "reads": reads}
+        try:
+            run("other_arch", out / "other", None, 2, 2, device, step4, intermediate_size=96)
+            results["other_arch"] = {"error": None}
+        except ConfigError as error:
+            results["other_arch"] = {"error": str(error)}
         for dotted, value in (("train.seed", 7), ("data.shuffle", False)):  # the checkpoint's: 0, true
             name = f"changed_{dotted.split('.')[1]}"
             try:
