@@ -243,8 +243,8 @@ def summed_loss(model, batch: list[Row], packed: bool) -> torch.Tensor:
 
 
 def reference_run(model_dir: Path, data: Data, recipe: Recipe) -> dict:
-    """Train the HF model on the global batches: {"losses", "norms", "params"} (params detached), and
-    what it ran on ("model", "data")."""
+    """Train the HF model on the global batches: {"losses", "norms", "params"} (params detached),
+    "seen" (each token's input positions over the run) and what it ran on ("model", "data")."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the float noise (reduction order) independent of the machine's cores
     try:
@@ -268,8 +268,11 @@ def _train(model_dir: Path, data: Data, recipe: Recipe) -> dict:
     )
     batches = stream(data, recipe.global_batch)
     losses, norms = [], []
+    seen = torch.zeros(model.get_input_embeddings().num_embeddings, dtype=torch.long)
     for _ in range(recipe.steps):
         batch = next(batches)
+        for row in batch:
+            seen += torch.bincount(row.input_ids[: row.spans[-1][1]], minlength=len(seen))
         targets = sum(int((row.labels != IGNORE).sum()) for row in batch)
         loss = summed_loss(model, batch, data.packing) / targets
         loss.backward()
@@ -279,14 +282,26 @@ def _train(model_dir: Path, data: Data, recipe: Recipe) -> dict:
         scheduler.step()
         optimizer.zero_grad()
     params = {name: param.detach().clone() for name, param in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "params": params, "model": str(model_dir), "data": asdict(data)}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "seen": seen,
+        "model": str(model_dir),
+        "data": _plain(data),
+    }
+
+
+def _plain(data: Data) -> dict:
+    """The settings as plain values (torch.load's weights_only reads no Path)."""
+    return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(data).items()}
 
 
 def _digest(model_dir: Path, data: Data, recipe: Recipe) -> str:
     """A hash of everything the run depends on: the model's and tokenizer's files, the dataset's
     bytes, the data settings and recipe, and this module's source."""
     hasher = _files_digest([*Path(model_dir).iterdir(), *Path(data.tokenizer).iterdir(), Path(data.path)])
-    settings = {**asdict(data), "path": None, "tokenizer": None}
+    settings = {**_plain(data), "path": None, "tokenizer": None}
     hasher.update(json.dumps([settings, asdict(recipe)], sort_keys=True).encode())
     hasher.update(inspect.getsource(inspect.getmodule(_digest)).encode())
     return hasher.hexdigest()[:24]

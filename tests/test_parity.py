@@ -164,18 +164,40 @@ def test_cp_rank_zero_attends_to_the_tokens_the_other_ranks_hold(models, mesh_ru
     assert abs(cp_losses[0] - local_only) > 1e-5 * local_only  # ... which attends beyond its own tokens
 
 
-# Weights, per element: |trained - reference| <= RTOL·|reference| + WEIGHT_ATOL. An element's error
-# is the float noise of its AdamW updates, each about lr or less whatever the element's value, so the
-# absolute part is RTOL of the farthest AdamW moves an element in the run (lr × steps).
-WEIGHT_ATOL = RTOL * parity_config(None, 1, 1).optim.lr * STEPS
-# (run kind, parameter name) → (atol, why): the only tensors allowed past WEIGHT_ATOL, each measured.
-WEIGHT_EXCEPTIONS: dict[tuple[str, str], tuple[float, str]] = {}
+# Weights, per element: |trained - reference| <= RTOL·|reference| + atol, atol = RTOL·lr·steps. An
+# element's error is the float noise of its AdamW updates, each about lr or less whatever the
+# element's value, so the absolute part is RTOL of the farthest AdamW moves an element in the run
+# (lr × steps). The exceptions below are the only ones, each measured on every mesh of the suite
+# (dtrain against tests/reference.py at one thread) and given about twice its worst error.
+LR = parity_config(None, 1, 1).optim.lr
+# Embedding rows of tokens seen as input 1 to RARE_SEEN times in the run: their few gradient entries
+# can be within a few eps (1e-8) of zero, where AdamW's step lr·m/(sqrt(v) + eps) depends on their
+# exact value and so passes on their float noise (a frequent token's entries are far above eps, where
+# the step saturates). Measured: up to 4.5e-6 (OLMo 2, 2x2), 1.6e-6 for Llama (cp2_dp2); every row
+# seen 4 times or more, and every unseen row (exactly), within RTOL·lr·steps.
+RARE_SEEN, RARE_ATOL = 3, 1e-5
+# (run kind, parameter name) → atol, measured like the rare rows:
+WEIGHT_EXCEPTIONS: dict[tuple[str, str], float] = {
+    # k_proj's bias gets a gradient that is zero in exact arithmetic (softmax ignores a shift shared
+    # by all keys): float noise, which AdamW turns into steps. Measured 2.2e-6.
+    ("qwen2", "model.layers.0.self_attn.k_proj.bias"): 5e-6,
+    ("qwen2", "model.layers.1.self_attn.k_proj.bias"): 5e-6,
+    # the untied head's rows of tokens no target names get only softmax's small push, entries near
+    # eps as for the rare embedding rows. Measured 5.6e-7.
+    ("qwen3", "lm_head.weight"): 1.5e-6,
+}
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str) -> None:
-    """Per element at RTOL relative, atol absolute (torch.testing's rule)."""
-    torch.testing.assert_close(
-        actual, expected, rtol=RTOL, atol=atol, msg=lambda message: f"{what}: {message}"
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float | torch.Tensor, what: str) -> None:
+    """Per element: |actual - expected| <= RTOL·|expected| + atol (atol a number or per element)."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    excess = (actual - expected).abs() - (RTOL * expected.abs() + atol)
+    worst = int(excess.argmax())
+    difference = (actual - expected).flatten()[worst].abs().item()
+    allowed = difference - excess.flatten()[worst].item()
+    assert excess.max() <= 0, (
+        f"{what}: element {worst} differs by {difference:.3g} (allowed {allowed:.3g}; "
+        f"expected {expected.flatten()[worst].item():.6g})"
     )
 
 
@@ -186,11 +208,21 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, what: str 
     assert_close(actual, expected, RTOL * expected.abs().mean().item(), what)
 
 
-def assert_weights_close(trained: dict, params: dict, kind: str, run: str) -> None:
-    assert set(trained) == set(params)
-    for name, param in params.items():
-        atol, _ = WEIGHT_EXCEPTIONS.get((kind, name), (WEIGHT_ATOL, ""))
-        assert_close(trained[name], param, atol, f"{run}: {name}")
+def weight_atol(name: str, kind: str, ref: dict) -> float | torch.Tensor:
+    """The absolute tolerance of one trained tensor: RTOL·lr·steps, or its measured exception (per
+    row for the embedding: ref["seen"] counts each token's input positions in the run)."""
+    atol = RTOL * LR * len(ref["losses"])
+    if name == "model.embed_tokens.weight":
+        rare = (ref["seen"] > 0) & (ref["seen"] <= RARE_SEEN)
+        return torch.where(rare[:, None], RARE_ATOL, atol)
+    return WEIGHT_EXCEPTIONS.get((kind, name), atol)
+
+
+def assert_weights_close(trained: dict, ref: dict, kind: str, run: str) -> None:
+    """Every final weight per element (assert_close at weight_atol)."""
+    assert set(trained) == set(ref["params"])
+    for name, param in ref["params"].items():
+        assert_close(trained[name], param, weight_atol(name, kind, ref), f"{run}: {name}")
 
 
 def assert_matches_reference(history: list[dict], trained: dict, ref: dict, kind: str, run: str) -> None:
@@ -202,7 +234,7 @@ def assert_matches_reference(history: list[dict], trained: dict, ref: dict, kind
     ):
         assert record["loss"] == pytest.approx(loss, rel=RTOL), f"{run} step {step} loss"
         assert record["grad_norm"] == pytest.approx(norm, rel=RTOL), f"{run} step {step} grad norm"
-    assert_weights_close(trained, ref["params"], kind, run)
+    assert_weights_close(trained, ref, kind, run)
 
 
 @pytest.mark.slow

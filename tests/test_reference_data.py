@@ -6,6 +6,7 @@ the mesh runs; this is where the two data paths are shown to be the same."""
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -71,13 +72,13 @@ def test_build_data_gives_the_reference_rows_and_stream(case, packing):
 
 
 def test_the_truncating_case_truncates_and_drops():
-    """A check of the check: at max_len 12 some documents are cut to 12 tokens with labels left, some
-    records are dropped, and packed rows hold several documents."""
+    """A check of the check: at max_len 12 some documents are cut to 12 tokens with labels left and
+    some records are dropped; at the parity max_len packed rows hold several documents."""
     documents = reference.examples(reference_data(DATASET, 12, False))
     records = sum(1 for line in DATASET.read_text().splitlines() if line.strip())
     assert 0 < records - len(documents) < records
     assert any(len(doc.input_ids) == 12 for doc in documents)
-    assert max(len(row.spans) for row in reference.rows(reference_data(DATASET, 12, True))) > 1
+    assert max(len(row.spans) for row in reference.rows(reference_data(DATASET, MAX_LEN, True))) > 1
 
 
 def test_odd_records_are_dropped_alike(tmp_path):
@@ -116,3 +117,17 @@ def test_the_reference_masks_what_the_template_marks():
     assert supervised[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(supervised[:-1]).split() == record["response"].split()
     assert first.labels.index(supervised[0]) == len(first.labels) - len(supervised) - 1  # all at the end
+
+
+def test_the_reference_imports_nothing_of_dtrain():
+    """tests/reference.py's independence, read from its import statements: neither dtrain nor the
+    tests' own modules (tests.helpers imports dtrain)."""
+    tree = ast.parse(Path(reference.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0
+    }
+    assert not any(
+        isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree)
+    )  # no relative import
+    assert imported and not {name for name in imported if name.split(".")[0] in ("dtrain", "tests")}, imported
