@@ -113,6 +113,7 @@ def documents(batch: list[reference.Row]) -> list[tuple[int, int, int]]:
     return [(index, start, stop) for index, row in enumerate(batch) for start, stop in row.spans]
 
 
+@pytest.mark.slow  # renders the 4000 records
 def test_packed_documents_cross_the_cp_chunk_borders(models):
     """What the cp runs must get right: documents that span several ranks' chunks (the first global
     batch of the packed stream; test_reference_data shows dtrain's is the same)."""
