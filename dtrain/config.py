@@ -212,7 +212,11 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 100
-    """Optimizer steps of the run."""
+    """Optimizer steps of the run (unless `epochs` is set)."""
+    epochs: float | None = None
+    """Passes over the training rows (after packing), replacing `max_steps`: ceil(epochs × rows /
+    global_batch_size) steps, known once the rows are built, before the first step; the schedule and
+    the progress bar use them."""
     global_batch_size: int = 32
     """Sequences (rows) per optimizer step, over all dp ranks; accumulation = global / (micro × dp)."""
     micro_batch_size: int = 4

@@ -74,11 +74,6 @@ def hydra_main(cfg: DictConfig) -> None:
         check_model_folder(config.model.name_or_path)
         model_config = load_model_config(config.model)
         shape = check_config(config, world_size_from_env(), model_config)
-        if config.optim.warmup_steps > config.train.max_steps:
-            log.warning(
-                f"optim.warmup_steps={config.optim.warmup_steps} is longer than the run "
-                f"(train.max_steps={config.train.max_steps}): the learning rate never reaches optim.lr"
-            )
         config.model.init = resolve_init(config.model)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -95,6 +90,11 @@ def hydra_main(cfg: DictConfig) -> None:
     except ConfigError as error:
         end(str(error))
     log.info(first_line(run_dir, resume_from, start_over))
+    if config.train.epochs is None and config.optim.warmup_steps > config.train.max_steps:
+        log.warning(
+            f"optim.warmup_steps={config.optim.warmup_steps} is longer than the run "
+            f"(train.max_steps={config.train.max_steps}): the learning rate never reaches optim.lr"
+        )
 
     from dtrain.trainer import train  # after validation: a bad config should not wait on imports
 

@@ -8,8 +8,8 @@ import json
 import logging
 import netrc
 import os
+import secrets
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 from urllib.parse import urlparse
@@ -134,12 +134,12 @@ def hydra_context() -> dict[str, Any]:
 WANDB_ID = "wandb_id"  # the run folder's W&B run id: a resumed run logs to the same W&B run
 
 
-def wandb_run_id(run_dir: Path, start_step: int, new_id: Callable[[], str]) -> str:
+def wandb_run_id(run_dir: Path, start_step: int) -> str:
     """The W&B run id kept in the run folder; a new one for a run that starts at step 0."""
     path = run_dir / WANDB_ID
     if start_step > 0 and path.is_file():
         return path.read_text().strip()
-    run_id = new_id()
+    run_id = secrets.token_hex(4)  # W&B's own ids are 8 characters of [0-9a-z] too
     path.write_text(run_id + "\n")
     return run_id
 
@@ -167,7 +167,7 @@ class WandbSink:
             tags=list(settings.tags),
             config={**config, "hydra": context},
             dir=str(run_dir),
-            id=wandb_run_id(run_dir, start_step, wandb.util.generate_id),
+            id=wandb_run_id(run_dir, start_step),
             resume="allow",
         )
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedTokenizerBase
 
 from dtrain.checkpoint import Checkpointer, Progress, checkpoint_dir, load
-from dtrain.config import Config, MeshShape
+from dtrain.config import Config, MeshShape, TrainConfig
 from dtrain.data.formats import load_tokenizer
 from dtrain.data.pipeline import SFTData, build_data
 from dtrain.distributed import Parallel, build_parallel
@@ -89,10 +90,12 @@ def start_run(
     model = build_model(model_config, config, parallel, device, vocab_rows)
     model.train()
     optimizer = build_optimizer(model, config.optim)
-    scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
     tokenizer_folder = tokenizer_source(config.model)
     tokenizer = load_tokenizer(tokenizer_folder)
     data = build_data(config.data, config.train, tokenizer, parallel.dp_rank, parallel.dp_size)
+    if config.train.epochs is not None:  # the rows are packed now: the run's length is known
+        config.train.max_steps = steps_for_epochs(config.train, len(data.train))
+    scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
     progress = load(resume_from, model, optimizer, scheduler, data.train) if resume_from else Progress()
     faults = Faults.from_env()
     checkpointer = Checkpointer(
@@ -187,6 +190,16 @@ def train(
     finally:  # also when the run fails: a sweep goes on in this process with the next job
         run.close()
     return RunResult(run.history, model, run.optimizer, parallel)
+
+
+def steps_for_epochs(settings: TrainConfig, rows: int) -> int:
+    """train.epochs as optimizer steps: every row once per epoch, the last step completed."""
+    steps = max(1, math.ceil(settings.epochs * rows / settings.global_batch_size))
+    log.info(
+        f"train.epochs={settings.epochs}: {steps} steps ({rows} rows per epoch, "
+        f"global batch {settings.global_batch_size})"
+    )
+    return steps
 
 
 def gather_shard_sizes(model: torch.nn.Module) -> list[int]:
