@@ -86,7 +86,8 @@ def pin_run_name(overrides: list[str]) -> None:
 
 
 def pinned_run_name() -> str:
-    return os.environ[_RUN_NAME]
+    """The pinned name (dtrain.sft's main pins it), else this process's command line's."""
+    return os.environ.get(_RUN_NAME) or run_name(sys.argv[1:])
 
 
 def output_folder(overrides: list[str]) -> Path | None:

@@ -374,3 +374,27 @@ def test_plot_draws_one_line_per_run_with_the_overrides_that_differ(tmp_path):
     assert [(r["step"], r["loss"]) for r in read_records(runs[0])] == [(1, 9.0), (2, 8.5), (3, 7.5), (4, 6.5)]
     assert labels(runs, tmp_path) == ["optim.lr=1e-3", "optim.lr=3e-3"]
     assert labels(runs[:1], tmp_path) == ["a"]
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
+    """One process (`python -m dtrain.sft`, where the terminal's Ctrl-C reaches the trainer itself):
+    the first SIGINT asks for a save at the next step boundary, the second, before it, stops."""
+    command = [sys.executable, "-m", "dtrain.sft", "parallel.tp=1", f"train.max_steps={STEPS}"]
+    command += ["train.log_every=1", f"hydra.run.dir={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_TEST_STEP_SLEEP_S": "3"}
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as process:
+        deadline = time.time() + 600
+        log = tmp_path / "metrics.jsonl"
+        while time.time() < deadline and not (log.is_file() and log.read_text().strip()):
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.5)  # within the 3 s before the next step's agreement sees the first one
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    assert process.returncode == 130, output[-3000:]
+    assert "received SIGINT" in output and "dtrain: interrupted again: stopping without saving" in output
+    assert "Traceback" not in output
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
