@@ -9,6 +9,7 @@ leaves at most a partial folder, never a "latest" that cannot load, and the olde
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -23,9 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from dtrain.config import CheckpointConfig, ConfigError
+from dtrain.config import RUN_IDENTITY, CheckpointConfig, ConfigError
 from dtrain.faults import Faults
 
 log = logging.getLogger("dtrain")
@@ -54,8 +56,10 @@ def is_complete(path: Path) -> bool:
 
 def find_resume_path(settings: CheckpointConfig, directory: Path) -> Path | None:
     """The checkpoint to resume from; only reads the filesystem, so it runs before the process group."""
-    if settings.resume == "none":
+    if settings.resume == "never":
         return None
+    if settings.resume == "none":  # the old spelling: one way to say it
+        raise ConfigError("checkpoint.resume=none: starting over is checkpoint.resume=never")
     if settings.resume != "auto":
         path = Path(settings.resume)
         if not path.is_dir():
@@ -86,13 +90,20 @@ def newest_complete(directory: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def saved_step(path: Path) -> int:
+    """The step a complete checkpoint was saved after."""
+    return json.loads((path / COMPLETE).read_text())["step"]
+
+
+def remove_checkpoints(directory: Path) -> None:
+    """Every checkpoint in directory, complete or partial (checkpoint.resume=never starts over)."""
+    for path in [*directory.glob(f"{PREFIX}*"), *directory.glob(f".{PREFIX}*.partial")]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def saved_config(path: Path) -> dict[str, Any]:
     """The resolved config a complete checkpoint was saved with."""
     return json.loads((path / COMPLETE).read_text())["config"]
-
-
-# What makes two configs the same run: resuming may change the mesh, the step count or logging.
-RUN_IDENTITY = ("model", "data", "optim", "train.seed", "train.global_batch_size")
 
 
 def _identity(config: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +193,7 @@ class _Save:
     final: Path
     started: float
     future: Any = None  # dcp.async_save's Future, or None once written
+    size: int = 0  # the checkpoint's bytes (every rank's shards), for the message of a failed save
 
 
 class Checkpointer:
@@ -202,12 +214,19 @@ class Checkpointer:
         self.resolved_config = resolved_config
         self.is_rank0 = dist.get_rank() == 0
         self.in_flight: _Save | None = None
+        self.last_save = time.monotonic()  # every_minutes counts from the start and from each save
         # The background writer's collectives must not share a group with training's.
         self.async_group = dist.new_group(backend="gloo") if settings.async_save else None
 
     def due(self, step: int, max_steps: int) -> bool:
+        """Whether `step` is saved by step count: every `every` steps, and the last one."""
         every = self.settings.every
         return (every > 0 and step % every == 0) or (step == max_steps and self.settings.save_final)
+
+    def due_by_time(self) -> bool:
+        """Whether every_minutes passed since the last save (asked on rank 0 only: StepGuard agrees)."""
+        minutes = self.settings.every_minutes
+        return minutes > 0 and time.monotonic() - self.last_save >= 60 * minutes
 
     def save(
         self,
@@ -218,6 +237,7 @@ class Checkpointer:
         progress: Progress,
     ) -> None:
         self.wait()
+        self.last_save = time.monotonic()
         name = f"{PREFIX}{progress.step:08d}"
         partial = self.directory / f".{name}.partial"
         save = _Save(progress, partial, self.directory / name, time.perf_counter())
@@ -227,6 +247,7 @@ class Checkpointer:
             save.partial.mkdir(parents=True)
         dist.barrier()
         state = training_state(model, optimizer, scheduler, data, progress)
+        save.size = state_bytes(state)
         with self._failures(save):
             if self.async_group is None:
                 dcp.save(state, checkpoint_id=str(save.partial))
@@ -262,21 +283,48 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _failures(self, save: _Save) -> Iterator[None]:
-        """DCP raises the first failing rank's error on every rank: clean up and say what failed."""
+        """DCP raises the first failing rank's error on every rank (as a CheckpointException, which
+        derives from BaseException): clean up and say in one line what failed."""
         try:
             yield
-        except Exception as error:
+        except (Exception, CheckpointException) as error:
             if self.is_rank0:
                 shutil.rmtree(save.partial, ignore_errors=True)
+            cause = root_cause(error)
+            size = f" ({save.size / 2**20:,.1f} MiB)" if save.size else ""
+            disk = ""
+            if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+                free = shutil.disk_usage(self.directory).free
+                disk = f"; {free / 2**20:,.1f} MiB free there"
             raise CheckpointError(
-                f"saving the step-{save.progress.step} checkpoint to {save.partial} failed: {error}. "
-                f"The newest complete checkpoint is still {newest_complete(self.directory) or 'none'}"
-            ) from error
+                f"saving the step-{save.progress.step} checkpoint{size} to {self.directory} failed: "
+                f"{type(cause).__name__}: {cause}{disk}. The newest complete checkpoint is still "
+                f"{newest_complete(self.directory) or 'none'}"
+            ) from None
 
     def _prune(self) -> None:
         complete = complete_checkpoints(self.directory)
         for old in complete[: max(0, len(complete) - self.settings.keep)]:
             shutil.rmtree(old)
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The error behind DCP's CheckpointException (its lowest failing rank's), else error itself."""
+    if isinstance(error, CheckpointException) and error.failures:
+        cause, _ = error.failures[min(error.failures)]
+        return root_cause(cause)
+    return error
+
+
+def state_bytes(state: Any) -> int:
+    """The bytes of the tensors in a (nested) state dict; a DTensor counts whole (all its shards)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(value) for value in state)
+    return 0
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -138,6 +138,8 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
         ("parallel.timeout_s", parallel.timeout_s),
     ):
         _positive(key, value)
+    if train.epochs is not None and not train.epochs > 0:
+        raise ConfigError(f"train.epochs={train.epochs}: must be > 0")
     if train.max_skips < 0:
         raise ConfigError(f"train.max_skips={train.max_skips}: must be >= 0")
     if config.optim.warmup_steps < 0:

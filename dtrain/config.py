@@ -19,6 +19,12 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
 
 
+# What makes two configs the same run (its folder's name, dtrain.hydra_glue.run_name, and the check
+# that a folder holds this run, dtrain.checkpoint.other_run_in): resuming may change the mesh, the
+# step count, logging and checkpointing.
+RUN_IDENTITY = ("model", "data", "optim", "train.seed", "train.global_batch_size")
+
+
 @dataclass
 class ModelConfig:
     name_or_path: str | None = None
@@ -206,7 +212,11 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 100
-    """Optimizer steps of the run."""
+    """Optimizer steps of the run (unless `epochs` is set)."""
+    epochs: float | None = None
+    """Passes over the training rows (after packing), replacing `max_steps`: ceil(epochs × rows /
+    global_batch_size) steps, known once the rows are built, before the first step; the schedule and
+    the progress bar use them."""
     global_batch_size: int = 32
     """Sequences (rows) per optimizer step, over all dp ranks; accumulation = global / (micro × dp)."""
     micro_batch_size: int = 4
@@ -233,21 +243,22 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 0
-    """Save every N steps; 0: no periodic checkpoints (only the final save)."""
+    """Save every N steps; 0: none by step count (see every_minutes)."""
+    every_minutes: float = 30.0
+    """Also save when this many minutes passed since the last save (rank 0's clock, agreed by all
+    ranks at the step boundary); 0: none by time. With `every` = 0 this is the default periodic save."""
     dir: str | None = None
     """Where the `step-XXXXXXXX/` folders go (unset: `<run dir>/checkpoints`)."""
     resume: str = "auto"
-    """`auto`: the newest complete checkpoint in `dir`, if any; `none`; or a checkpoint path."""
+    """`auto`: the newest complete checkpoint in `dir`, if any (rerunning a command resumes it);
+    `never`: start over, removing the run folder's checkpoints, metrics.jsonl and W&B id (also the
+    way to reuse a folder that holds a different run); or a checkpoint path."""
     keep: int = 2
     """Complete checkpoints kept (the oldest are removed)."""
     save_final: bool = True
     """Also save after the last step."""
     async_save: bool = False
-    """Write with `dcp.async_save` (stage to CPU, write while the next steps run). The issue's
-    `checkpoint.async`: `async` is a Python keyword and cannot name a dataclass field."""
-    overwrite: bool = False
-    """Reuse a run folder or checkpoint dir that holds a different run (its metrics and checkpoints
-    are removed); without it such a folder is refused before launch."""
+    """Write with `dcp.async_save` (stage to CPU, write while the next steps run)."""
     export_hf: bool = False
     """Write a Hugging Face folder to `<run dir>/hf` at the end."""
     export_dtype: str = "bf16"
@@ -345,8 +356,32 @@ class MeshShape:
 MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
+# Free-form dict fields: any key goes (model.config's overrides of config.json).
+OPEN_KEYS = ("model.config",)
+
+
+def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Keys of `node` that its schema (a dataclass) has no field for: Hydra refuses `key=value` for
+    them, but `+key=value` adds them to the config, where they would be ignored."""
+    schema = OmegaConf.get_type(node)
+    if schema is None or not hasattr(schema, "__dataclass_fields__"):
+        return []
+    names = {f.name for f in fields(schema)}
+    found = []
+    for key in node:
+        where = f"{prefix}{key}"
+        if key not in names:
+            found.append(where)
+        elif where not in OPEN_KEYS and isinstance(node._get_node(key), DictConfig):
+            found += unknown_keys(node._get_node(key), f"{where}.")
+    return found
+
+
 def to_config(cfg: DictConfig) -> Config:
-    """Hydra's DictConfig (already typed by the schema) as plain dataclasses."""
+    """Hydra's DictConfig (already typed by the schema) as plain dataclasses; a key the schema
+    does not know (added with `+`) is an error naming it."""
+    if unknown := unknown_keys(cfg):
+        raise ConfigError(f"{unknown[0]}: unknown key (a `+` adds keys only under model.config)")
     config = OmegaConf.to_object(cfg)
     assert isinstance(config, Config), type(config)
     return config

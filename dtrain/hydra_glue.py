@@ -7,8 +7,11 @@ Each entry point registers its own schema: dtrain.sft the training `Config`, dtr
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -20,7 +23,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from dtrain.config import Config, ConfigError
+from dtrain.config import RUN_IDENTITY, Config
 from dtrain.distributed import rank_from_env
 
 ASSETS = Path(__file__).parent / "assets"
@@ -32,22 +35,70 @@ EMBEDDED = "+experiment=embedded"
 _GROUPS = ("model", "data", "experiment")
 _SOURCES = ("model.name_or_path", "data.path", "data.mix")
 FAIL_GRACE_S = 5.0
+EXIT_FILE = "DTRAIN_EXIT_FILE"
 
 
-def run_id() -> str:
-    """An id every rank computes alike without talking to the others."""
-    if os.environ.get("DTRAIN_RUN_ID"):
-        return os.environ["DTRAIN_RUN_ID"]
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm-{os.environ['SLURM_JOB_ID']}"
-    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
-    if elastic == "none":  # torchrun --rdzv-endpoint without --rdzv-id
-        raise ConfigError(
-            "the ranks share no run id: pass --rdzv-id to torchrun, set DTRAIN_RUN_ID, or set hydra.run.dir"
-        )
-    if elastic:
-        return f"torchrun-{elastic}"
-    return time.strftime("%Y%m%d-%H%M%S")
+# What names a run folder: the overrides of what is trained (RUN_IDENTITY: the model, the data, the
+# optimizer, the seed, the global batch) and the experiment. The rest (the mesh, the step count,
+# logging, checkpoints) changes how a run goes, not which run it is: rerunning with other values of
+# those finds the same folder and resumes it. One name for every rank and node, computed from the
+# command line alone: never from a launcher's random id.
+_RUN_NAME = "DTRAIN_RUN_NAME"  # set by dtrain.sft's main for the resolver; not a user setting
+_SAFE_NAME = re.compile(r"[\w.,=+-]{1,100}")
+
+
+def run_name(overrides: list[str]) -> str:
+    """The run folder's name for a command line's overrides (after the program name): the experiment
+    (or the model folder's name) alone, or followed by the sorted identity overrides, or by a hash of
+    them where they are too long or hold characters a folder name should not (`/`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    base, picked = None, []
+    for text in overrides:
+        if text.startswith("-") or "=" not in text:  # --multirun, --config-dir DIR ...
+            continue
+        try:
+            override = parser.parse_override(text)
+        except Exception:  # a malformed override: Hydra reports it with its own message
+            continue
+        key = override.key_or_group
+        if key == "experiment":
+            base = str(override.value())
+        elif key in ("model", "model.name_or_path") and base is None:
+            base = Path(str(override.value())).name
+        if key == "experiment" or key.startswith("hydra"):
+            continue
+        if any(key == name or key.startswith(f"{name}.") for name in RUN_IDENTITY):
+            picked.append(text.lstrip("+~"))
+    base = base if base and _SAFE_NAME.fullmatch(base) else "run"
+    if not picked:
+        return base
+    readable = f"{base}_{','.join(sorted(picked))}"
+    if _SAFE_NAME.fullmatch(readable):
+        return readable
+    return f"{base}-{hashlib.sha1(' '.join(sorted(picked)).encode()).hexdigest()[:8]}"
+
+
+def pin_run_name(overrides: list[str]) -> None:
+    """Compute the run name once, in the process that launches (submitit's jobs inherit it)."""
+    os.environ.setdefault(_RUN_NAME, run_name(overrides))
+
+
+def pinned_run_name() -> str:
+    """The pinned name (dtrain.sft's main pins it), else this process's command line's."""
+    return os.environ.get(_RUN_NAME) or run_name(sys.argv[1:])
+
+
+def output_folder(overrides: list[str]) -> Path | None:
+    """The run folder (the sweep folder with --multirun) the command line asks for, as conf/config.yaml
+    names it unless hydra.run.dir (hydra.sweep.dir) is given; None when that holds an interpolation."""
+    sweeping = "--multirun" in overrides or "-m" in overrides
+    key = "hydra.sweep.dir=" if sweeping else "hydra.run.dir="
+    given = [text.removeprefix(key) for text in overrides if text.startswith(key)]
+    if given:
+        return None if "${" in given[-1] else Path(given[-1])
+    return Path("multirun" if sweeping else "outputs") / pinned_run_name()
 
 
 def with_embedded_defaults(overrides: list[str]) -> list[str]:
@@ -71,7 +122,7 @@ def with_embedded_defaults(overrides: list[str]) -> list[str]:
 def register(schema: type[Config], default_precision: Callable[[], str]) -> None:
     """Store `schema` as dtrain_schema and register the resolvers (replacing an earlier entry point's)."""
     ConfigStore.instance().store(name="dtrain_schema", node=schema)
-    OmegaConf.register_new_resolver("dtrain_run_id", run_id, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("dtrain_run_name", pinned_run_name, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("dtrain_asset", lambda name: str(ASSETS / name), replace=True)
     OmegaConf.register_new_resolver("dtrain_default_precision", default_precision, replace=True)
 
@@ -82,9 +133,19 @@ def fail(message: str, code: int = EXIT_CONFIG_ERROR, prefix: str = "error: ") -
     printed by then."""
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print(f"dtrain: {prefix}{message}", file=sys.stderr, flush=True)
+        write_exit_status(code)
     else:
         time.sleep(FAIL_GRACE_S)
     sys.exit(code)
+
+
+def write_exit_status(code: int) -> None:
+    """torchrun reports any worker's failure as exit code 1: a launcher that sets DTRAIN_EXIT_FILE
+    reads dtrain's own code (2, 3, 75 ...) there (launch/local.sh, launch/slurm.sbatch)."""
+    path = os.environ.get(EXIT_FILE)
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(f"{code}\n")
 
 
 class JobFailed(Exception):

@@ -32,27 +32,46 @@ def find_runs(folders: list[Path]) -> list[Path]:
 
 
 def read_records(run: Path) -> list[dict]:
+    """The run's records in step order, one per step and kind (train or eval): a metrics.jsonl written
+    before dtrain truncated it on resume may repeat steps; the later record is the resumed run's."""
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    latest = {}
+    for line in lines:
+        if line.strip():
+            record = json.loads(line)
+            latest[(record["step"], "eval_loss" in record)] = record
+    return [latest[key] for key in sorted(latest)]
 
 
-def label(run: Path, root: Path) -> str:
-    """The job's overrides for a sweep job (what tells the curves apart), else its folder name."""
-    overrides = run / ".hydra" / "overrides.yaml"
-    if overrides.is_file():
-        items = [line.removeprefix("- ").strip() for line in overrides.read_text().splitlines()]
-        if items := [item for item in items if item]:
-            return " ".join(items)
-    return str(run.relative_to(root)) if run != root and run.is_relative_to(root) else run.name
+def overrides(run: Path) -> list[str]:
+    path = run / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return []
+    items = [line.removeprefix("- ").strip() for line in path.read_text().splitlines()]
+    return [item for item in items if item]
+
+
+def labels(runs: list[Path], root: Path, width: int = 40) -> list[str]:
+    """Each run's legend label: the overrides that tell it from the other runs (those all of them
+    share say nothing; a run alone is named by its folder), else its folder; at most `width`
+    characters."""
+    lists = [overrides(run) for run in runs]
+    shared = set.intersection(*map(set, lists))
+    names = []
+    for run, items in zip(runs, lists, strict=True):
+        own = " ".join(item for item in items if item not in shared)
+        folder = str(run.relative_to(root)) if run != root and run.is_relative_to(root) else run.name
+        name = own or folder
+        names.append(name if len(name) <= width else name[: width - 1] + "…")
+    return names
 
 
 def plot(runs: list[Path], root: Path, output: Path) -> Path:
     figure, axes = plt.subplots(1, len(PANELS), figsize=(6 * len(PANELS), 4), layout="constrained")
-    for run in runs:
+    for run, name in zip(runs, labels(runs, root), strict=True):
         records = read_records(run)
         train = [r for r in records if "loss" in r]
         evals = [r for r in records if "eval_loss" in r]
-        name = label(run, root)
         for ax, (key, _) in zip(axes, PANELS, strict=True):
             (line,) = ax.plot([r["step"] for r in train], [r[key] for r in train], label=name)
             if key == "loss" and evals:
@@ -62,7 +81,7 @@ def plot(runs: list[Path], root: Path, output: Path) -> Path:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize="small")
+    axes[0].legend(fontsize="small", loc="upper right")
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=100)
     plt.close(figure)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
+import sys
 from collections.abc import Callable
 from types import FrameType
 from typing import TypeVar
@@ -25,14 +27,16 @@ T = TypeVar("T")
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the job saved its state and wants to be requeued
 EXIT_NONFINITE = 3
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 before its timeout
+# SLURM sends SIGUSR1 before its time limit; SIGINT is a Ctrl-C (torchrun forwards it to the workers).
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+EXIT_INTERRUPTED = 130  # a second Ctrl-C: 128 + SIGINT, as a shell reports it
 
 
 class Preempted(Exception):
     """A preemption signal arrived; the state of `step` is saved."""
 
     def __init__(self, step: int) -> None:
-        super().__init__(f"preempted: checkpoint saved after step {step}; resume with checkpoint.resume=auto")
+        super().__init__(f"preempted: checkpoint saved after step {step}; rerun the same command to resume")
         self.step = step
 
 
@@ -50,25 +54,40 @@ class StepGuard:
     gloo group of its own: on an NCCL group, reading the result would make the host wait for the
     device to finish the previous step, and the next step could not be queued behind it."""
 
-    def __init__(self, settings: TrainConfig, faults: Faults | None = None) -> None:
+    def __init__(
+        self,
+        settings: TrainConfig,
+        faults: Faults | None = None,
+        save_due: Callable[[], bool] | None = None,
+    ) -> None:
         self.settings = settings
         self.faults = faults
         self.group = dist.new_group(backend="gloo")
         self.consecutive_skips = 0
         self.skipped = 0
         self.preempted = False  # agreed by all ranks: save the state and stop before the next step
+        # Rank 0's clock decides the wall-clock checkpoints (every rank's would differ); agreed here.
+        self.save_due = save_due if dist.get_rank() == 0 else None
+        self.save_now = False  # agreed by all ranks: save after this step
         self._signalled: int | None = None
-        for signum in PREEMPTION_SIGNALS:
-            signal.signal(signum, self._on_signal)
+        self._previous = {signum: signal.signal(signum, self._on_signal) for signum in PREEMPTION_SIGNALS}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._signalled is None:
-            log.warning(f"received {signal.Signals(signum).name}: finishing the step, then saving")
-        self._signalled = signum
+            log.warning(
+                f"received {signal.Signals(signum).name}: finishing the step, then saving"
+                + (" (Ctrl-C again to stop at once, without saving)" if signum == signal.SIGINT else "")
+            )
+            self._signalled = signum
+            return
+        if signum == signal.SIGINT:  # a second Ctrl-C: the user wants out now; no traceback per rank
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                print("dtrain: interrupted again: stopping without saving", file=sys.stderr, flush=True)
+            os._exit(EXIT_INTERRUPTED)
 
     def close(self) -> None:
-        for signum in PREEMPTION_SIGNALS:
-            signal.signal(signum, signal.SIG_DFL)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
     def agreed(self, step: int, fetch: Callable[[], T]) -> T:
         """Run `fetch` (the step's data) on every rank. If it raised on any rank, every rank
@@ -82,9 +101,10 @@ class StepGuard:
             result = fetch()
         except Exception as caught:  # anything: the point is that no rank is left waiting
             error = f"rank {dist.get_rank()}: {type(caught).__name__}: {caught}"
-        flags = torch.tensor([error is not None, self._signalled is not None], dtype=torch.int32)
+        save_due = self.save_due is not None and self.save_due()
+        flags = torch.tensor([error is not None, self._signalled is not None, save_due], dtype=torch.int32)
         dist.all_reduce(flags, group=self.group)
-        failed, self.preempted = (bool(flag) for flag in flags.tolist())
+        failed, self.preempted, self.save_now = (bool(flag) for flag in flags.tolist())
         if failed:
             messages = [None] * dist.get_world_size()
             dist.all_gather_object(messages, error, group=self.group)
@@ -126,3 +146,29 @@ def first_nonfinite_gradient(model: nn.Module) -> str:
         if not torch.isfinite(local).all():
             return name
     return "none on this rank (the loss itself)"
+
+
+class StallWatch:
+    """Warns once when a run has stopped learning: a zero gradient norm, or a loss pinned at
+    ln(vocab) (uniform logits: what a far too high learning rate leaves), for `patience` logged steps
+    in a row. A from-scratch model starts near ln(vocab) too, but its loss moves."""
+
+    def __init__(self, vocab_size: int, patience: int = 3) -> None:
+        self.uniform = math.log(vocab_size)
+        self.patience = patience
+        self.stuck = 0
+        self.previous: float | None = None
+        self.warned = False
+
+    def check(self, step: int, loss: float, grad_norm: float) -> None:
+        pinned = abs(loss - self.uniform) < 0.01 * self.uniform and self.previous is not None
+        pinned = pinned and abs(loss - self.previous) < 1e-4
+        self.previous = loss
+        self.stuck = self.stuck + 1 if grad_norm == 0.0 or pinned else 0
+        if self.stuck >= self.patience and not self.warned:
+            self.warned = True
+            log.warning(
+                f"step {step}: the run has stopped learning: loss {loss:.4f} "
+                f"(ln(vocab) = {self.uniform:.4f}), grad_norm {grad_norm:.3g} for {self.stuck} logged "
+                "steps; is optim.lr too high?"
+            )

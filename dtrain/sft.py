@@ -1,7 +1,8 @@
 """`torchrun -m dtrain.sft [+experiment=NAME] [key=value ...]`: the Hydra entry point.
 
-Every rank runs Hydra. The run folder is keyed on an id all ranks share, and only rank 0 writes
-`.hydra/`, Hydra's log file and `config.yaml`. The config is checked before the process group
+Every rank runs Hydra. The run folder is named after the command (dtrain.hydra_glue.run_name), so
+every rank finds the same one and rerunning the command finds it again and resumes it; only rank 0
+writes `.hydra/`, Hydra's log file and `config.yaml`. The config is checked before the process group
 exists, so a bad value fails on every rank at once with one message and exit code 2.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -21,7 +21,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from submitit.helpers import TorchDistributedEnvironment
 
-from dtrain.checkpoint import CheckpointError, checkpoint_dir, find_resume_path, other_run_in
+from dtrain.checkpoint import (
+    CheckpointError,
+    checkpoint_dir,
+    find_resume_path,
+    other_run_in,
+    remove_checkpoints,
+    saved_step,
+)
 from dtrain.checks import check_config
 from dtrain.config import Config, ConfigError, to_config
 from dtrain.distributed import init_distributed, rank_from_env, shutdown, world_size_from_env
@@ -30,12 +37,21 @@ from dtrain.hydra_glue import (
     EXIT_CONFIG_ERROR,
     JobFailed,
     fail,
+    output_folder,
+    pin_run_name,
     register,
-    run_id,
     with_embedded_defaults,
 )
 from dtrain.model import load_model_config, resolve_init
-from dtrain.reliability import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted, RankFailure
+from dtrain.reliability import (
+    EXIT_INTERRUPTED,
+    EXIT_NONFINITE,
+    EXIT_PREEMPTED,
+    NonFiniteError,
+    Preempted,
+    RankFailure,
+)
+from dtrain.sinks import WANDB_ID
 
 log = logging.getLogger("dtrain")
 
@@ -55,6 +71,7 @@ def hydra_main(cfg: DictConfig) -> None:
     end = functools.partial(end_job, sweeping)
     try:
         config = to_config(cfg)
+        check_model_folder(config.model.name_or_path)
         model_config = load_model_config(config.model)
         shape = check_config(config, world_size_from_env(), model_config)
         config.model.init = resolve_init(config.model)
@@ -62,22 +79,31 @@ def hydra_main(cfg: DictConfig) -> None:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         resolved["model"]["init"] = config.model.init  # config.yaml shows what ran (auto resolved)
         checkpoints = checkpoint_dir(config.checkpoint, run_dir)
-        conflict = other_run_in(run_dir, checkpoints, resolved)
-        if conflict and not config.checkpoint.overwrite:
+        start_over = config.checkpoint.resume == "never"
+        conflict = None if start_over else other_run_in(run_dir, checkpoints, resolved)
+        if conflict:
             raise ConfigError(
-                f"{conflict}: refusing to mix the two runs (checkpoint.overwrite=true to replace it)"
+                f"{conflict}: refusing to mix the two runs (checkpoint.resume=never starts over there, "
+                "removing its checkpoints and metrics; or hydra.run.dir=ANOTHER_FOLDER)"
             )
-        resume_from = None if conflict else find_resume_path(config.checkpoint, checkpoints)
+        resume_from = find_resume_path(config.checkpoint, checkpoints)
     except ConfigError as error:
         end(str(error))
+    log.info(first_line(run_dir, resume_from, start_over))
+    if config.train.epochs is None and config.optim.warmup_steps > config.train.max_steps:
+        log.warning(
+            f"optim.warmup_steps={config.optim.warmup_steps} is longer than the run "
+            f"(train.max_steps={config.train.max_steps}): the learning rate never reaches optim.lr"
+        )
 
     from dtrain.trainer import train  # after validation: a bad config should not wait on imports
 
     device = init_distributed(config.parallel.timeout_s)
     if is_rank0:
-        if conflict:  # overwrite=true: the other run's metrics and checkpoints go
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            shutil.rmtree(checkpoints, ignore_errors=True)
+        if start_over:  # checkpoint.resume=never: the folder's earlier run goes
+            for stale in (run_dir / "metrics.jsonl", run_dir / WANDB_ID):
+                stale.unlink(missing_ok=True)
+            remove_checkpoints(checkpoints)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     try:
         train(config, shape, model_config, device, run_dir, resolved, resume_from)
@@ -99,6 +125,26 @@ def hydra_main(cfg: DictConfig) -> None:
             shutdown()  # each submitit job is its own processes and process group
 
 
+def first_line(run_dir: Path, resume_from: Path | None, start_over: bool) -> str:
+    """What the run does with its folder: `resuming outputs/NAME at step 22`, or starting."""
+    shown = os.path.relpath(run_dir) if run_dir.resolve().is_relative_to(Path.cwd()) else str(run_dir)
+    if resume_from is None:
+        why = " (checkpoint.resume=never: its earlier checkpoints and metrics are removed)"
+        return f"starting {shown}{why if start_over else ''}"
+    source = "" if resume_from.parent == run_dir / "checkpoints" else f" from {resume_from}"
+    return f"resuming {shown}{source} at step {saved_step(resume_from)}"
+
+
+def check_model_folder(name_or_path: str | None) -> None:
+    """A local folder must be a Hugging Face model folder (else transformers fails, once per rank,
+    about `model_type`)."""
+    if name_or_path and os.path.isdir(name_or_path) and not os.path.isfile(f"{name_or_path}/config.json"):
+        raise ConfigError(
+            f"model.name_or_path={name_or_path!r}: no config.json in that folder (a Hugging Face model "
+            "folder holds config.json, the tokenizer files and the safetensors weights)"
+        )
+
+
 def end_job(sweeping: bool, message: str, code: int = EXIT_CONFIG_ERROR) -> None:
     """Every rank failed this job alike. A single run ends the process; in a sweep Hydra records
     the job as failed and goes on with the next one (train.sweep_on_failure; see JobStatusCallback)."""
@@ -117,19 +163,34 @@ def quiet_this_rank() -> None:
 
 
 def main() -> None:
+    sys.argv[1:] = with_embedded_defaults(sys.argv[1:])
     try:
-        # Pin the run id now, in the process that launches: submitit jobs of a sweep then share it
-        # (and the sweep folder) instead of each naming the sweep after its own SLURM job.
-        os.environ.setdefault("DTRAIN_RUN_ID", run_id())
+        # The run (or sweep) folder's name, from the command line: every rank and node computes the
+        # same one; pinned now so that submitit's jobs, which run elsewhere, share it.
+        pin_run_name(sys.argv[1:])
+        check_writable(output_folder(sys.argv[1:]))
     except ConfigError as error:
         fail(str(error))
-    sys.argv[1:] = with_embedded_defaults(sys.argv[1:])
     if rank_from_env() != 0:  # no .hydra/ or Hydra log file; hydra_main quiets the rest (quiet_this_rank)
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     try:
         hydra_main()
+    except KeyboardInterrupt:  # a Ctrl-C before training started (the loop handles its own): no traceback
+        fail("interrupted", EXIT_INTERRUPTED, prefix="")
     finally:
         shutdown()
+
+
+def check_writable(folder: Path) -> None:
+    """The run folder can be made and written (else Hydra's own mkdir, or the first save, fails
+    with a traceback per rank)."""
+    probe = folder / f".dtrain-write-test-{rank_from_env()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"{folder}: the run folder cannot be written ({error.strerror or error})") from None
 
 
 if __name__ == "__main__":

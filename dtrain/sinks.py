@@ -8,6 +8,7 @@ import json
 import logging
 import netrc
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -26,10 +27,17 @@ class Sink(Protocol):
 
 
 class JsonlSink:
-    """metrics.jsonl: one object per logged step, flushed as written (the contract and test oracle)."""
+    """metrics.jsonl: one object per logged step, flushed as written (the contract and test oracle).
+    A run that starts at `start_step` (its checkpoint's) keeps the records up to that step and drops
+    the rest (logged after the checkpoint by the attempt that stopped, or by a run started over):
+    each step once, one series."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, start_step: int = 0) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        kept = kept_records(path, start_step)
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text("".join(kept), encoding="utf-8")
+        os.replace(partial, path)
         self.file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -38,6 +46,21 @@ class JsonlSink:
 
     def close(self) -> None:
         self.file.close()
+
+
+def kept_records(path: Path, start_step: int) -> list[str]:
+    """The lines of `path` whose step is at most start_step (a torn last line is dropped)."""
+    if not path.is_file() or start_step == 0:
+        return []
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if step <= start_step and line.endswith("\n"):
+            kept.append(line)
+    return kept
 
 
 def format_record(record: dict[str, Any], max_steps: int) -> str:
@@ -60,27 +83,27 @@ class ConsoleSink:
     def __init__(self, max_steps: int, start_step: int = 0, stream: TextIO | None = None) -> None:
         self.max_steps = max_steps
         stream = stream or sys.stderr
-        self.bar = None
+        self.bar = self.redirect = None
         if stream.isatty():
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.bar = tqdm(total=max_steps, initial=start_step, unit="step", file=stream, dynamic_ncols=True)
+            # Every log line while the bar lives (warnings, saves, not just the steps') scrolls above it.
+            self.redirect = logging_redirect_tqdm()
+            self.redirect.__enter__()
 
     def write(self, record: dict[str, Any]) -> None:
-        line = format_record(record, self.max_steps)
+        log.info(format_record(record, self.max_steps))
         if self.bar is None:
-            log.info(line)
             return
-        from tqdm.contrib.logging import logging_redirect_tqdm
-
-        with logging_redirect_tqdm():  # the line scrolls above the bar instead of breaking it
-            log.info(line)
         self.bar.update(record["step"] - self.bar.n)
         if "loss" in record:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=True)
 
     def close(self) -> None:
         if self.bar is not None:
+            self.redirect.__exit__(None, None, None)
             self.bar.close()
 
 
@@ -108,11 +131,24 @@ def hydra_context() -> dict[str, Any]:
     return context
 
 
+WANDB_ID = "wandb_id"  # the run folder's W&B run id: a resumed run logs to the same W&B run
+
+
+def wandb_run_id(run_dir: Path, start_step: int) -> str:
+    """The W&B run id kept in the run folder; a new one for a run that starts at step 0."""
+    path = run_dir / WANDB_ID
+    if start_step > 0 and path.is_file():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(4)  # W&B's own ids are 8 characters of [0-9a-z] too
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 class WandbSink:
     """One W&B run (rank 0): the resolved config as a plain dict plus the Hydra overrides and
     experiment under `hydra`. Without credentials an online run logs offline, said in one line."""
 
-    def __init__(self, settings: WandbConfig, config: dict[str, Any], run_dir: Path) -> None:
+    def __init__(self, settings: WandbConfig, config: dict[str, Any], run_dir: Path, start_step: int) -> None:
         import wandb
 
         mode = settings.mode
@@ -131,6 +167,8 @@ class WandbSink:
             tags=list(settings.tags),
             config={**config, "hydra": context},
             dir=str(run_dir),
+            id=wandb_run_id(run_dir, start_step),
+            resume="allow",
         )
         try:
             self.run = wandb.init(mode=mode, **init)
@@ -149,7 +187,7 @@ class WandbSink:
 
 def open_sinks(config: Config, resolved: dict[str, Any], run_dir: Path, start_step: int = 0) -> list[Sink]:
     console = ConsoleSink(config.train.max_steps, start_step)
-    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl"), console]
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl", start_step), console]
     if config.logging.wandb.mode != "disabled":
-        sinks.append(WandbSink(config.logging.wandb, resolved, run_dir))
+        sinks.append(WandbSink(config.logging.wandb, resolved, run_dir, start_step))
     return sinks

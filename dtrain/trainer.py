@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedTokenizerBase
 
 from dtrain.checkpoint import Checkpointer, Progress, checkpoint_dir, load
-from dtrain.config import Config, MeshShape
+from dtrain.config import Config, MeshShape, TrainConfig
 from dtrain.data.formats import load_tokenizer
 from dtrain.data.pipeline import SFTData, build_data
 from dtrain.distributed import Parallel, build_parallel
@@ -25,7 +26,7 @@ from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_fl
 from dtrain.model import build_model, has_weights, tokenizer_source
 from dtrain.optim import build_optimizer, build_scheduler
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
-from dtrain.reliability import Preempted, StepGuard
+from dtrain.reliability import Preempted, StallWatch, StepGuard
 from dtrain.sinks import Sink, open_sinks
 from dtrain.step import evaluate, global_counts, local_micro_batch, micro_step, optimizer_step
 
@@ -89,10 +90,12 @@ def start_run(
     model = build_model(model_config, config, parallel, device, vocab_rows)
     model.train()
     optimizer = build_optimizer(model, config.optim)
-    scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
     tokenizer_folder = tokenizer_source(config.model)
     tokenizer = load_tokenizer(tokenizer_folder)
     data = build_data(config.data, config.train, tokenizer, parallel.dp_rank, parallel.dp_size)
+    if config.train.epochs is not None:  # the rows are packed now: the run's length is known
+        config.train.max_steps = steps_for_epochs(config.train, len(data.train))
+    scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
     progress = load(resume_from, model, optimizer, scheduler, data.train) if resume_from else Progress()
     faults = Faults.from_env()
     checkpointer = Checkpointer(
@@ -107,7 +110,7 @@ def start_run(
     if dist.get_rank() == 0:
         sinks = open_sinks(config, resolved, run_dir, progress.step)
         log_summary(model, parallel, config, num_params, shard_sizes, data.num_examples, tokenizer_folder)
-    guard = StepGuard(config.train, faults)
+    guard = StepGuard(config.train, faults, save_due=checkpointer.due_by_time)
     return Run(
         parallel=parallel,
         model=model,
@@ -141,10 +144,12 @@ def train(
     loss = config.parallel.loss_parallel, config.parallel.loss_impl, config.parallel.loss_chunk
     params = list(model.parameters())
     tokens_seen = torch.tensor(float(run.progress.tokens_seen), device=device)
+    saved = run.progress.step  # the step of the newest checkpoint
+    stall = StallWatch(model_config.vocab_size)
     try:
         for step in range(run.progress.step, settings.max_steps):
-            if guard.preempted:  # a rank got SIGTERM/SIGUSR1 before the last step: save, stop
-                if not run.checkpointer.due(step, settings.max_steps):  # else saved just now
+            if guard.preempted:  # a rank got SIGTERM/SIGUSR1/SIGINT before the last step: save, stop
+                if saved != step:
                     run.save(step, tokens_seen)
                 run.checkpointer.wait()
                 raise Preempted(step)
@@ -166,8 +171,9 @@ def train(
                 tokens_seen += tokens
 
             done = step + 1
-            if run.checkpointer.due(done, settings.max_steps):
+            if run.checkpointer.due(done, settings.max_steps) or guard.save_now:
                 run.save(done, tokens_seen)
+                saved = done
             if settings.eval_every and done % settings.eval_every == 0:
                 with meter.paused():  # eval time is not training time
                     eval_loss = evaluate(model, run.data.eval, parallel, *loss)
@@ -176,6 +182,7 @@ def train(
                 dist.all_reduce(loss_sum, group=parallel.token_group)
                 figures = (loss_sum / tokens).item(), grad_norm.item(), lr, int(tokens.item()), filled.item()
                 run.emit(meter.record(done, *figures, guard.skipped))
+                stall.check(done, figures[0], figures[1])
 
         run.checkpointer.wait()
         if config.checkpoint.export_hf:
@@ -183,6 +190,16 @@ def train(
     finally:  # also when the run fails: a sweep goes on in this process with the next job
         run.close()
     return RunResult(run.history, model, run.optimizer, parallel)
+
+
+def steps_for_epochs(settings: TrainConfig, rows: int) -> int:
+    """train.epochs as optimizer steps: every row once per epoch, the last step completed."""
+    steps = max(1, math.ceil(settings.epochs * rows / settings.global_batch_size))
+    log.info(
+        f"train.epochs={settings.epochs}: {steps} steps ({rows} rows per epoch, "
+        f"global batch {settings.global_batch_size})"
+    )
+    return steps
 
 
 def gather_shard_sizes(model: torch.nn.Module) -> list[int]:

@@ -143,7 +143,7 @@ def parity_config(model_dir: Path | None, dp: int, tp: int) -> Config:
         train=TrainConfig(
             max_steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, precision="fp32"
         ),
-        checkpoint=CheckpointConfig(resume="none", save_final=False),
+        checkpoint=CheckpointConfig(resume="never", save_final=False),
     )
 
 

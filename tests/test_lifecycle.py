@@ -1,0 +1,400 @@
+"""A run that survives its user, through ./launch/local.sh (torchrun, 4 CPU processes, the embedded
+default at tp=2 × dp=2), each launch in a folder of its own as a user's working directory:
+
+- SIGTERM to the launch, then the identical command: it resumes (saying so in its first line);
+  then Ctrl-C (SIGINT to the whole process group, as a terminal sends it) with the default
+  checkpoint settings, and the identical command again; then SIGUSR1 to one worker during the last
+  step, which lets the run finish. The curve equals an uninterrupted run's (1e-6), metrics.jsonl
+  holds each step once, and W&B (offline) logs every launch to the same run id.
+- A worker SIGKILLed after a periodic checkpoint, then the identical command: it resumes from that
+  checkpoint and the steps logged after it are not repeated; `checkpoint.resume=never` starts over.
+- The documented exit codes as the shell sees them: 75 preempted, 3 non-finite (train.max_skips),
+  2 for a full disk at save (the last checkpoint intact and loadable, no partial left) and a bad
+  config.
+- The failures known before any process group, each one `dtrain: error:` line and exit code 2, in
+  this process (dtrain.sft.main with a patched argv): no interpreter start-up per check.
+
+The reference is an uninterrupted run of the same command: resuming must reproduce exactly what
+not stopping would have done, which no other program can tell."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from contextlib import redirect_stderr
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from dtrain.checkpoint import COMPLETE
+from dtrain.hydra_glue import run_name
+from tests.helpers import ROOT, wandb_records
+
+STEPS = 8
+COMMAND = [f"train.max_steps={STEPS}", "train.log_every=1", "logging.wandb.mode=offline"]
+NAME = "embedded"  # the folder the embedded default's command names: outputs/embedded
+SLOW_STEPS = {"DTRAIN_TEST_STEP_SLEEP_S": "1"}  # a signal lands mid-run, not after the last step
+
+
+def launch(cwd: Path, *overrides: str, env: dict | None = None, when=None, send=None) -> tuple[int, str]:
+    """`./launch/local.sh OVERRIDES` with 4 processes in `cwd`; once `when(records)` holds for the
+    run's metrics.jsonl, `send(process)` (a signal). Returns the exit code the shell sees and the
+    output."""
+    full_env = {
+        **os.environ,
+        "NPROC": "4",
+        "LOG_DIR": str(cwd / "logs"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "WANDB_API_KEY": "",
+        **(env or {}),
+    }
+    cwd.mkdir(parents=True, exist_ok=True)
+    command = [str(ROOT / "launch" / "local.sh"), *overrides]
+    with subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: a test's Ctrl-C reaches it, not pytest
+    ) as process:
+        if when is not None:
+            deadline = time.time() + 600
+            while time.time() < deadline and process.poll() is None and not when(records(cwd)):
+                time.sleep(0.05)
+            send(process)
+        output, _ = process.communicate(timeout=900)
+    return process.returncode, output
+
+
+def records(cwd: Path) -> list[dict]:
+    """The complete lines of a (possibly running) run's metrics.jsonl."""
+    path = cwd / "outputs" / NAME / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = [line for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
+    return [json.loads(line) for line in lines]
+
+
+def after_step(step: int):
+    return lambda logged: any(r["step"] >= step for r in logged)
+
+
+def to_group(signum: int):
+    """The signal to the launch's whole process group, as a terminal's Ctrl-C or `kill -- -PGID`."""
+    return lambda process: os.killpg(process.pid, signum)
+
+
+def to_rank0_worker(signum: int):
+    """The signal to the worker of rank 0 alone (the other ranks learn of it from the agreement)."""
+
+    def send(process: subprocess.Popen) -> None:
+        os.kill(worker_pids(process.pid)["0"], signum)
+
+    return send
+
+
+def worker_pids(root: int) -> dict[str, int]:
+    """The dtrain workers below `root` (the launch script), by their RANK."""
+    found, stack = {}, [root]
+    while stack:
+        pid = stack.pop()
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        stack += [int(child) for child in children]
+        rank = next((item[5:].decode() for item in environ if item.startswith(b"RANK=")), None)
+        if rank is not None and b"dtrain.sft" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            found[rank] = pid
+    return found
+
+
+def assert_same_curve(logged: list[dict], reference: list[dict]) -> None:
+    assert [r["step"] for r in logged] == list(range(1, STEPS + 1))  # each step once, in order
+    for mine, theirs in zip(logged, reference, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6), mine["step"]
+
+
+def saved_steps(cwd: Path) -> list[int]:
+    folder = cwd / "outputs" / NAME / "checkpoints"
+    return sorted(json.loads((p / COMPLETE).read_text())["step"] for p in folder.glob("step-*"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    """The uninterrupted run of the command every scenario launches."""
+    cwd = tmp_path_factory.mktemp("reference")
+    code, output = launch(cwd, *COMMAND)
+    assert code == 0, output[-3000:]
+    logged = records(cwd)
+    assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
+    return logged
+
+
+@pytest.mark.slow
+def test_sigterm_ctrl_c_and_a_signal_in_the_last_step_then_the_same_command_resumes(tmp_path, reference):
+    # SIGTERM (SLURM's, Kubernetes') to the launch: the ranks agree, save at the step boundary, exit 75.
+    code, output = launch(
+        tmp_path, *COMMAND, env=SLOW_STEPS, when=after_step(1), send=to_group(signal.SIGTERM)
+    )
+    assert code == 75, output[-3000:]
+    assert "received SIGTERM" in output and "dtrain: preempted: checkpoint saved after step" in output
+    first = saved_steps(tmp_path)[-1]
+    assert 1 <= first < STEPS - 2 and [r["step"] for r in records(tmp_path)] == list(range(1, first + 1))
+
+    # The identical command resumes; Ctrl-C (the whole process group) saves and exits 75 as well,
+    # with the default checkpoint settings (no checkpoint.every).
+    code, output = launch(
+        tmp_path, *COMMAND, env=SLOW_STEPS, when=after_step(first + 1), send=to_group(signal.SIGINT)
+    )
+    assert code == 75, output[-3000:]
+    assert f"resuming outputs/{NAME} at step {first}" in output, output[-3000:]
+    assert "received SIGINT" in output
+    assert not re.search(r'File "[^"]*/dtrain/[^"]*", line', output)  # no worker's traceback
+    second = saved_steps(tmp_path)[-1]
+    assert first < second < STEPS
+
+    # Again; SIGUSR1 (SLURM's warning) to one worker during the last step: the run finishes.
+    code, output = launch(
+        tmp_path, *COMMAND, env=SLOW_STEPS, when=after_step(STEPS - 1), send=to_rank0_worker(signal.SIGUSR1)
+    )
+    assert code == 0, output[-3000:]
+    assert f"resuming outputs/{NAME} at step {second}" in output
+    assert "received SIGUSR1" in output and "preempted" not in output
+    assert saved_steps(tmp_path)[-1] == STEPS
+    assert_same_curve(records(tmp_path), reference)
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == [NAME]  # one folder, found again
+
+    # W&B: three launches, one run id (the run folder's), and each step logged to it once.
+    run_dir = tmp_path / "outputs" / NAME
+    run_id = (run_dir / "wandb_id").read_text().strip()
+    files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 3
+    logged = {}
+    for path in files:
+        (run,) = [r.run for r in wandb_records(path) if r.WhichOneof("record_type") == "run"]
+        assert run.run_id == run_id, path
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") == "history":
+                item = record.history.item
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in item}
+                assert items["_step"] not in logged, items["_step"]
+                logged[items["_step"]] = items["loss"]
+    assert logged == {r["step"]: r["loss"] for r in records(tmp_path)}
+
+
+@pytest.mark.slow
+def test_a_killed_worker_then_the_same_command_resumes_and_never_starts_over(tmp_path, reference):
+    command = [*COMMAND, "checkpoint.every=2", "logging.wandb.mode=disabled"]
+    # Rank 1 SIGKILLs itself before step 4: rank 0 has logged step 3, after the step-2 checkpoint.
+    code, output = launch(tmp_path, *command, env={"DTRAIN_TEST_KILL_AT_STEP": "4"})
+    assert code != 0
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3] and saved_steps(tmp_path) == [2]
+
+    code, output = launch(tmp_path, *command)
+    assert code == 0, output[-3000:]
+    assert f"resuming outputs/{NAME} at step 2" in output
+    assert_same_curve(records(tmp_path), reference)  # step 3 once: the killed attempt's is gone
+
+    code, output = launch(tmp_path, *command, "train.max_steps=2", "checkpoint.resume=never")
+    assert code == 0, output[-3000:]
+    assert f"starting outputs/{NAME} (checkpoint.resume=never" in output
+    assert [r["step"] for r in records(tmp_path)] == [1, 2] and saved_steps(tmp_path) == [2]
+
+
+@pytest.mark.slow
+def test_exit_codes_through_the_launch_script(tmp_path):
+    """3 for too many non-finite steps, 2 for a full disk at save and for a bad config: what a
+    requeue script reads from ./launch/local.sh, where torchrun alone says 1."""
+    short = ["train.max_steps=4", "logging.wandb.mode=disabled"]
+    code, output = launch(tmp_path / "nan", *short, "train.max_skips=0", env={"DTRAIN_TEST_NAN_AT_STEP": "2"})
+    assert code == 3, output[-3000:]
+    assert "dtrain: error: step 2: 1 non-finite steps in a row (train.max_skips=0)" in output
+
+    folder = tmp_path / "disk"
+    code, output = launch(folder, *short, "checkpoint.every=2", env={"DTRAIN_TEST_FAIL_SAVE": "4"})
+    assert code == 2, output[-3000:]
+    (line,) = [line for line in output.splitlines() if line.startswith("dtrain: error:")]
+    checkpoints = folder / "outputs" / NAME / "checkpoints"
+    assert "saving the step-4 checkpoint (" in line and f"to {checkpoints.resolve()} failed" in line
+    assert "No space left on device" in line and "MiB free there" in line and "step-00000002" in line
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002"]  # no partial left
+    dcp_to_torch_save(checkpoints / "step-00000002", tmp_path / "last.pt")  # the last one still loads
+    assert torch.load(tmp_path / "last.pt", weights_only=False)["progress"]["step"] == 2
+
+    code, output = launch(tmp_path / "config", "train.global_batch_size=24")
+    assert code == 2, output[-3000:]
+    assert output.count("dtrain: error: train.global_batch_size=24 is not divisible") == 1
+
+
+def main_in_process(monkeypatch, cwd: Path, *overrides: str) -> tuple[int, str]:
+    """dtrain.sft's main in this process, as `python -m dtrain.sft OVERRIDES` run in `cwd` (one
+    process: every check here comes before any process group)."""
+    from dtrain import sft
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("DTRAIN_RUN_NAME", raising=False)
+    monkeypatch.setattr(sys, "argv", ["dtrain.sft", "parallel.tp=1", *overrides])
+    stderr = io.StringIO()
+    with redirect_stderr(stderr), pytest.raises(SystemExit) as exit:
+        sft.main()
+    return exit.value.code, stderr.getvalue()
+
+
+@pytest.mark.slow
+def test_failures_before_the_process_group_are_one_line_and_exit_code_2(tmp_path, monkeypatch):
+    no_config = tmp_path / "not_a_model"
+    no_config.mkdir()
+    (no_config / "tokenizer.json").write_text("{}")
+    other_run = tmp_path / "other"
+    (other_run / "outputs" / NAME).mkdir(parents=True)
+    (other_run / "outputs" / NAME / "config.yaml").write_text("optim: {lr: 1.0}\n")
+    (other_run / "outputs" / NAME / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    cases = [
+        ([f"model.name_or_path={no_config}"], f"model.name_or_path='{no_config}': no config.json"),
+        (["hydra.run.dir=/proc/dtrain"], "/proc/dtrain: the run folder cannot be written"),
+        (["+optim.lrr=1"], "optim.lrr: unknown key"),
+        (["+train.max_stepz=3"], "train.max_stepz: unknown key"),
+        (["checkpoint.resume=none"], "checkpoint.resume=none: starting over is checkpoint.resume=never"),
+    ]
+    for overrides, message in cases:
+        code, stderr = main_in_process(monkeypatch, tmp_path, *overrides)
+        errors = [line for line in stderr.splitlines() if line.startswith("dtrain: error:")]
+        assert code == 2 and len(errors) == 1 and message in errors[0], (overrides, stderr[-2000:])
+    code, stderr = main_in_process(monkeypatch, other_run)
+    assert code == 2 and "config.yaml is from a run with a different" in stderr
+    assert "checkpoint.resume=never starts over there" in stderr
+    assert (other_run / "outputs" / NAME / "metrics.jsonl").read_text().count("\n") == 1  # untouched
+
+
+def test_the_run_folder_is_named_by_what_is_trained():
+    """The same command names the same folder in any order; overrides of what is trained name
+    another; the mesh, the step count, logging and checkpointing do not (they resume the run)."""
+    embedded = ["+experiment=embedded"]
+    assert run_name(embedded) == NAME
+    assert run_name([*embedded, "parallel.tp=1", "train.max_steps=9", "checkpoint.every=5"]) == NAME
+    lr = run_name([*embedded, "optim.lr=1e-4", "train.seed=3"])
+    assert lr == run_name(["train.seed=3", "optim.lr=1e-4", *embedded]) != NAME
+    assert run_name([*embedded, "optim.lr=1e-3", "train.seed=3"]) != lr
+    assert run_name(["model.name_or_path=/a/llama", "data.path=/d/x.jsonl"]).startswith("llama-")
+    assert run_name(["model.name_or_path=/a/llama", "data.path=/d/x.jsonl"]) != run_name(
+        ["model.name_or_path=/a/llama", "data.path=/d/y.jsonl"]
+    )
+
+
+def test_a_stalled_run_is_warned_once(caplog):
+    """The pattern of optim.lr=1e6 (loss pinned at ln(vocab), grad_norm 0) warns once; a
+    from-scratch model's first steps near ln(vocab), whose loss moves, do not."""
+    from dtrain.reliability import StallWatch
+
+    uniform = math.log(1024)
+    watch = StallWatch(1024)
+    for step, loss in enumerate([uniform + 0.01, uniform - 0.02, uniform - 0.05, uniform - 0.1], 1):
+        watch.check(step, loss, 3.0)
+    assert "stopped learning" not in caplog.text
+    for step in range(5, 12):
+        watch.check(step, uniform, 0.0)
+    assert caplog.text.count("stopped learning") == 1
+
+
+@pytest.mark.slow
+def test_epochs_size_the_run_once_the_rows_are_packed(tmp_path):
+    """train.epochs: ceil(epochs × packed rows / global batch) steps, and the schedule spans them
+    (its learning rates against transformers' own schedule over that many steps)."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    overrides = [
+        "parallel.tp=1",
+        "data.max_samples=40",
+        "data.packing=true",
+        "train.epochs=1.5",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+        "optim.warmup_steps=2",
+        "checkpoint.save_final=false",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "dtrain.sft", *overrides],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    rows = int(re.search(r"40 training examples in (\d+) rows of 32 \(packed\)", result.stdout).group(1))
+    assert rows < 40  # packed
+    steps = math.ceil(1.5 * rows / 8)
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(1, steps + 1))
+    config = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    peak = config["optim"]["lr"]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    schedule = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=steps)
+    expected = []
+    for _ in range(steps):
+        expected.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert [r["lr"] for r in logged] == pytest.approx(expected, rel=1e-12)
+
+
+def test_plot_draws_one_line_per_run_with_the_overrides_that_differ(tmp_path):
+    """A metrics.jsonl written before resumes truncated it (steps 1 2 3 2 3 4) is one line in step
+    order, the resumed run's records winning; legend labels are what tells the runs apart."""
+    from dtrain.plot import labels, read_records
+
+    runs = []
+    for name, lr in (("a", "1e-3"), ("b", "3e-3")):
+        run = tmp_path / name
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "overrides.yaml").write_text(
+            f"- +experiment=embedded\n- train.max_steps=4\n- optim.lr={lr}\n"
+        )
+        losses = [(1, 9.0), (2, 8.0), (3, 7.0), (2, 8.5), (3, 7.5), (4, 6.5)]
+        lines = [json.dumps({"step": step, "loss": loss}) + "\n" for step, loss in losses]
+        (run / "metrics.jsonl").write_text("".join(lines))
+        runs.append(run)
+    assert [(r["step"], r["loss"]) for r in read_records(runs[0])] == [(1, 9.0), (2, 8.5), (3, 7.5), (4, 6.5)]
+    assert labels(runs, tmp_path) == ["optim.lr=1e-3", "optim.lr=3e-3"]
+    assert labels(runs[:1], tmp_path) == ["a"]
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
+    """One process (`python -m dtrain.sft`, where the terminal's Ctrl-C reaches the trainer itself):
+    the first SIGINT asks for a save at the next step boundary, the second, before it, stops."""
+    command = [sys.executable, "-m", "dtrain.sft", "parallel.tp=1", f"train.max_steps={STEPS}"]
+    command += ["train.log_every=1", f"hydra.run.dir={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_TEST_STEP_SLEEP_S": "3"}
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as process:
+        deadline = time.time() + 600
+        log = tmp_path / "metrics.jsonl"
+        while time.time() < deadline and not (log.is_file() and log.read_text().strip()):
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.5)  # within the 3 s before the next step's agreement sees the first one
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    assert process.returncode == 130, output[-3000:]
+    assert "received SIGINT" in output and "dtrain: interrupted again: stopping without saving" in output
+    assert "Traceback" not in output
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
