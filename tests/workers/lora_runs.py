@@ -40,6 +40,7 @@ SCENARIOS = {
         "1x1": (1, 1, "llama", "init", {}),
         "1x1_adapter": (1, 1, "llama", "adapter", {}),
         "1x1_qwen3": (1, 1, "qwen3", "adapter", {}),
+        "1x1_bf16": (1, 1, "llama", "init", {"train.precision": "bf16"}),
     },
     4: {
         "2x2": (2, 2, "llama", "init", {**EXPORT, "checkpoint.every": 5}),
@@ -138,6 +139,7 @@ def run(name, dp, tp, kind, start, overrides, args, device) -> dict:
     saved["base"] = {
         canonical_name(n): full(p) for n, p in result.model.named_parameters() if not p.requires_grad
     }
+    saved["dtypes"] = {canonical_name(n): p.dtype for n, p in result.model.named_parameters()}
     saved["trainable"] = sorted(
         canonical_name(n) for n, p in result.model.named_parameters() if p.requires_grad
     )
