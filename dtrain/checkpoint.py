@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from dtrain.config import RUN_IDENTITY, CheckpointConfig, ConfigError
 from dtrain.faults import Faults
@@ -33,6 +33,9 @@ from dtrain.faults import Faults
 log = logging.getLogger("dtrain")
 
 COMPLETE = "complete.json"
+# Frozen parameters (a LoRA run's base) are not saved, so loading skips them too (strict=False:
+# check_compatible has already matched every saved tensor to the model).
+TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 PREFIX = "step-"
 
 
@@ -141,8 +144,9 @@ def other_run_in(run_dir: Path, directory: Path, resolved: dict[str, Any]) -> st
 def training_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data: Any, progress: Progress
 ) -> dict[str, Any]:
-    """What a checkpoint holds. Model and optimizer states are DTensors keyed by parameter name."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    """What a checkpoint holds. Model and optimizer states are DTensors keyed by parameter name;
+    frozen parameters (a LoRA run's base) are left out: the model's files hold them."""
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE)
     return {
         "model": model_state,
         "optimizer": optimizer_state,
@@ -175,7 +179,13 @@ def load(
     state = training_state(model, optimizer, scheduler, data, Progress())
     check_compatible(path, state["model"])
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=TRAINABLE,
+    )
     scheduler.load_state_dict(state["scheduler"])
     data.load_state_dict(state["data"])
     torch.set_rng_state(state["rng"]["cpu"])

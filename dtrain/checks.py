@@ -15,12 +15,14 @@ from dtrain.config import (
     ConfigError,
     DataConfig,
     EstimateConfig,
+    LoraConfig,
     MeshShape,
     ParallelConfig,
     TrainConfig,
 )
 from dtrain.data.formats import FORMATS
-from dtrain.parallel.parallelize import TP_PLANS
+from dtrain.parallel import lora
+from dtrain.parallel.parallelize import TP_PLANS, decoder_layers
 
 SWEEP_ON_FAILURE = ("continue", "stop")
 PRECISIONS = ("bf16", "fp32")
@@ -162,6 +164,8 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
 
     check_tp_support(model_config.model_type, shape.tp)
     check_loss_support(model_config, parallel.loss_impl)
+    if lora.enabled(config.lora):
+        check_lora(config.lora, model_config, train.precision)
     # vocab_size need not divide: the embedding and lm_head are padded (dtrain.parallel.vocab).
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(model_config, key, None)
@@ -197,6 +201,37 @@ def check_tp_support(model_type: str, tp: int) -> None:
             f"model type {model_type!r} has no TP plan, so it trains with parallel.tp=1 only (FSDP); "
             f"parallel.tp={tp} needs one of: {', '.join(TP_PLANS)}"
         )
+
+
+# Families whose HF modules LoRA cannot adapt under PEFT's names: Phi-3's fused qkv_proj and
+# gate_up_proj are split into parts at build time (dtrain/parallel/fused.py), and PEFT adapts the
+# fused Linear with one A for all parts.
+LORA_UNSUPPORTED = ("phi3",)
+
+
+def check_lora(settings: LoraConfig, model_config: Any, precision: str) -> None:
+    """lora.*: values in range, the adapter folder readable, every target module a Linear of the
+    decoder layers (read off the model built on the meta device)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    settings = lora.resolve(settings)
+    _positive("lora.r", settings.r)
+    if not 0.0 <= settings.dropout < 1.0:
+        raise ConfigError(f"lora.dropout={settings.dropout}: must be in [0, 1)")
+    _one_of("lora.init", settings.init, ("default", "gaussian"))
+    _one_of("lora.base_dtype", settings.base_dtype, ("auto", "bf16", "fp32"))
+    if settings.base_dtype == "bf16" and precision != "bf16":
+        raise ConfigError("lora.base_dtype=bf16 needs train.precision=bf16 (FSDP gathers one dtype)")
+    if model_config.model_type in LORA_UNSUPPORTED:
+        raise ConfigError(
+            f"lora: model type {model_config.model_type!r} is not supported yet (fused projections)"
+        )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config))
+    lora.check_targets(decoder_layers(model), settings.target_modules)
 
 
 def check_loss_support(model_config: Any, loss_impl: str) -> None:

@@ -263,6 +263,33 @@ class CheckpointConfig:
     """Write a Hugging Face folder to `<run dir>/hf` at the end."""
     export_dtype: str = "bf16"
     """`bf16` or `fp32`: the dtype of export_hf's safetensors."""
+    export_merged: bool = False
+    """With LoRA: also write the base with the adapters merged in, a Hugging Face model folder at
+    `<run dir>/hf-merged` (export_hf writes the PEFT adapter folder)."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0
+    """Rank of the LoRA adapters; 0: LoRA off, every parameter trains (docs/lora.md)."""
+    alpha: float = 8.0
+    """PEFT's `lora_alpha`: the adapter's output is scaled by alpha / r (alpha / sqrt(r) with
+    use_rslora)."""
+    dropout: float = 0.0
+    """PEFT's `lora_dropout`: dropout on the adapter's input (the tp ranks of a group drop alike)."""
+    target_modules: list[str] = field(default_factory=list)
+    """Names of the Linears of the decoder layers that get adapters (PEFT's rule: the module's name
+    ends with one); empty: every linear projection of the decoder layers."""
+    init: str = "default"
+    """`default`: PEFT's init, A Kaiming-uniform and B zero; `gaussian`: A normal(0, 1/r), B zero."""
+    use_rslora: bool = False
+    """rsLoRA: scale by alpha / sqrt(r)."""
+    base_dtype: str = "auto"
+    """dtype of the frozen base's weights: `auto` (train.precision's), `bf16` (2 bytes a parameter,
+    needs train.precision=bf16) or `fp32`. The adapters are fp32 always."""
+    adapter: str | None = None
+    """A PEFT adapter folder to continue from: r, alpha, dropout, target modules and rsLoRA come
+    from its adapter_config.json (the keys above are ignored), its weights start the adapters."""
 
 
 @dataclass
@@ -302,6 +329,8 @@ class Config:
     """The loop: steps, batch sizes, precision, what happens to a bad step."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints, resume and Hugging Face export (docs/checkpoints.md)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on a frozen base (docs/lora.md); off by default."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Where logged steps go besides metrics.jsonl and the console."""
 

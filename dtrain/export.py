@@ -1,9 +1,11 @@
 """Write a Hugging Face model folder from the sharded model or from a dtrain checkpoint.
 
 Every rank writes its own shards with DCP's Hugging Face writer, then rank 0 consolidates them
-into standard safetensors: nobody gathers the whole model in memory.
+into standard safetensors: nobody gathers the whole model in memory. A LoRA run exports a PEFT
+adapter folder (`adapter_config.json`, `adapter_model.safetensors` under PEFT's names, fp32) that
+`peft.PeftModel.from_pretrained(base, OUT)` loads, or with --merged the base with the adapters merged.
 
-    python -m dtrain.export CHECKPOINT OUT [--dtype bf16|fp32]
+    python -m dtrain.export CHECKPOINT OUT [--dtype bf16|fp32] [--merged]
     torchrun --nproc_per_node=N -m dtrain.export CHECKPOINT OUT
 """
 
@@ -22,26 +24,81 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.tensor import DTensor
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, GenerationConfig, PreTrainedTokenizerBase
 
 from dtrain.attention import ATTENTION, CONFIG_KEYS
 from dtrain.checkpoint import COMPLETE, is_complete, saved_config
 from dtrain.config import Config, ConfigError, MeshShape
 from dtrain.distributed import build_parallel, init_distributed, shutdown
-from dtrain.model import allocate, build_model, hf_state_dict, load_model_config, tokenizer_source
-from dtrain.parallel import fused, vocab
+from dtrain.model import (
+    allocate,
+    build_model,
+    hf_state_dict,
+    load_model_config,
+    materialize,
+    tokenizer_source,
+)
+from dtrain.parallel import fused, lora, vocab
 
 log = logging.getLogger("dtrain")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def export_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, dtype: str) -> None:
-    """Collective: every rank calls it. The folder appears complete or not at all."""
+    """Collective: every rank calls it. The folder appears complete or not at all. A model with LoRA
+    adapters writes its PEFT adapter folder instead of the model."""
+    if lora.adapter_modules(model):
+        export_adapter(model, tokenizer, out)
+    else:
+        write_model(model, hf_state_dict(model), tokenizer, out, dtype)
+
+
+def export_merged(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path, dtype: str) -> None:
+    """Collective. The HF model with each LoRA adapter merged into its base weight (W + scaling B A)."""
+    if not lora.adapter_modules(model):
+        raise ConfigError("checkpoint.export_merged: the model has no LoRA adapters (lora.r=0)")
+    write_model(model, hf_state_dict(model) | lora.merged_weights(model), tokenizer, out, dtype)
+
+
+def export_adapter(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+    """Collective. The adapters gathered whole (they are small) and written by rank 0 as PEFT does."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        lora.PEFT_PREFIX + name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu()
+        for name, p in lora.adapter_parameters(model).items()
+    }
+    if dist.get_rank() == 0:
+        partial = out.with_name(out.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        save_file(tensors, str(partial / lora.ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        config = lora.peft_config(
+            getattr(model, lora.SETTINGS_ATTR), model, model.config._name_or_path or None
+        )
+        (partial / lora.ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        tokenizer.save_pretrained(partial)
+        if out.exists():
+            shutil.rmtree(out)
+        partial.rename(out)
+        log.info(f"exported a PEFT LoRA adapter to {out}")
+    dist.barrier()
+
+
+def write_model(
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    tokenizer: PreTrainedTokenizerBase,
+    out: Path,
+    dtype: str,
+) -> None:
+    """Collective: the HF folder of `state` (hf_state_dict's names, sharded as the model)."""
     partial = out.with_name(out.name + ".partial")
     if dist.get_rank() == 0 and partial.exists():
         shutil.rmtree(partial)
     dist.barrier()
-    state = {name: tensor.detach().to(DTYPES[dtype]) for name, tensor in hf_state_dict(model).items()}
+    state = {name: tensor.detach().to(DTYPES[dtype]) for name, tensor in state.items()}
     # Back to config.vocab_size rows; in the model's order on every rank (collectives), not a set's.
     for name in [name for name in vocab.padded_params(model) if name in state]:
         state[name] = vocab.strip_padding(state[name], model.config.vocab_size)
@@ -83,8 +140,9 @@ def _generation_config(model: nn.Module) -> GenerationConfig:
         return GenerationConfig()
 
 
-def export_checkpoint(checkpoint: Path, out: Path, dtype: str) -> None:
-    """Rebuild the model of a checkpoint as plain FSDP over this world and export it."""
+def export_checkpoint(checkpoint: Path, out: Path, dtype: str, merged: bool = False) -> None:
+    """Rebuild the model of a checkpoint as plain FSDP over this world and export it. A LoRA
+    checkpoint holds the adapters only: the base comes from model.name_or_path as in training."""
     from dtrain.data.formats import load_tokenizer
 
     if not is_complete(checkpoint):
@@ -96,14 +154,22 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str) -> None:
     world = dist.get_world_size()
     parallel = build_parallel(MeshShape(1, world, 1, 1), device)
     config.parallel.tp, config.parallel.dp_shard, config.train.precision = 1, world, "fp32"
+    config.lora.base_dtype = "fp32"
     model = build_model(
         model_config, config, parallel, None, vocab.saved_vocab_rows(checkpoint)
     )  # padded as saved
-    allocate(model, device)  # every weight comes from the checkpoint
-    state = {f"model.{name}": tensor for name, tensor in hf_state_dict(model).items()}
-    dcp.load(state, checkpoint_id=str(checkpoint))
+    if lora.enabled(config.lora):  # the base as the run had it, then the trained adapters
+        materialize(model, device, config.model, config.train.seed, lora.resolve(config.lora))
+        saved = lora.adapter_parameters(model)
+    else:
+        allocate(model, device)  # every weight comes from the checkpoint
+        saved = hf_state_dict(model)
+    dcp.load({f"model.{name}": tensor for name, tensor in saved.items()}, checkpoint_id=str(checkpoint))
     tokenizer = load_tokenizer(tokenizer_source(config.model))
-    export_hf(model, tokenizer, out, dtype)
+    if merged:
+        export_merged(model, tokenizer, out, dtype)
+    else:
+        export_hf(model, tokenizer, out, dtype)
 
 
 def main() -> None:
@@ -111,10 +177,11 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (…/checkpoints/step-XXXXXXXX)")
     parser.add_argument("out", type=Path, help="the Hugging Face folder to write")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--merged", action="store_true", help="LoRA: the base with the adapters merged in")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="[dtrain] %(message)s")
     try:
-        export_checkpoint(args.checkpoint, args.out, args.dtype)
+        export_checkpoint(args.checkpoint, args.out, args.dtype, args.merged)
     except ConfigError as error:
         print(f"dtrain: error: {error}", file=sys.stderr)
         sys.exit(2)

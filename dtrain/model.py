@@ -21,7 +21,7 @@ from transformers.core_model_loading import WeightRenaming, rename_source_key
 from dtrain import attention
 from dtrain.config import Config, ConfigError, ModelConfig
 from dtrain.distributed import Parallel
-from dtrain.parallel import fused, phi3, vocab
+from dtrain.parallel import fused, lora, phi3, vocab
 from dtrain.parallel.parallelize import parallelize
 
 # Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
@@ -130,9 +130,10 @@ def build_model(
     to the vocabulary padded for this tp (a resumed run passes the checkpoint's)."""
     rows = vocab_rows or vocab.padded_vocab_size(model_config.vocab_size, parallel.tp_size)
     model = build_meta_model(model_config, config.data.packing, rows, attention_backend)
-    parallelize(model, parallel, config.parallel, config.train.precision)
+    lora_settings = lora.resolve(config.lora)
+    parallelize(model, parallel, config.parallel, config.train.precision, lora_settings, config.train.seed)
     if device is not None:
-        materialize(model, device, config.model, config.train.seed)
+        materialize(model, device, config.model, config.train.seed, lora_settings)
     return model
 
 
@@ -161,14 +162,21 @@ def build_meta_model(
     return model
 
 
-def materialize(model: nn.Module, device: torch.device, settings: ModelConfig, seed: int) -> None:
-    """Allocate this rank's shards on `device` and fill them."""
+def materialize(
+    model: nn.Module, device: torch.device, settings: ModelConfig, seed: int, lora_settings=None
+) -> None:
+    """Allocate this rank's shards on `device` and fill them; LoRA adapters from lora.adapter's
+    folder or PEFT's init."""
     allocate(model, device)
     if resolve_init(settings) == "pretrained":
         assert settings.name_or_path
         load_hf_weights(model, resolve_model_path(settings.name_or_path))
     else:
         init_weights(model, seed)
+    if lora_settings is not None and lora_settings.adapter:
+        lora.load_adapter(model, lora_settings.adapter)
+    elif lora_settings is not None and lora.enabled(lora_settings):
+        lora.init_adapters(model, lora_settings, seed)
 
 
 def allocate(model: nn.Module, device: torch.device) -> None:
@@ -221,8 +229,9 @@ def canonical_name(name: str) -> str:
 
 
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict under HF names, without the tied lm_head (HF files omit it)."""
-    state = {canonical_name(k): v for k, v in model.state_dict().items()}
+    """The model's state dict under HF names, without the tied lm_head (HF files omit it) and
+    without LoRA adapters (dtrain.parallel.lora.adapter_parameters has those)."""
+    state = {canonical_name(k): v for k, v in model.state_dict().items() if not lora.is_adapter(k)}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state

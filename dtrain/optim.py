@@ -12,9 +12,10 @@ from dtrain.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, settings: OptimConfig) -> torch.optim.Optimizer:
-    """No weight decay on norms and biases (1-D parameters)."""
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    vectors = [p for p in model.parameters() if p.ndim < 2]
+    """Over the trainable parameters (LoRA: the adapters); no weight decay on norms and biases (1-D)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    matrices = [p for p in trainable if p.ndim >= 2]
+    vectors = [p for p in trainable if p.ndim < 2]
     groups = [
         {"params": matrices, "weight_decay": settings.weight_decay},
         {"params": vectors, "weight_decay": 0.0},

@@ -20,7 +20,7 @@ from dtrain.config import Config, MeshShape, TrainConfig
 from dtrain.data.formats import load_tokenizer
 from dtrain.data.pipeline import SFTData, build_data
 from dtrain.distributed import Parallel, build_parallel
-from dtrain.export import export_hf
+from dtrain.export import export_hf, export_merged
 from dtrain.faults import Faults
 from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_flops
 from dtrain.model import build_model, has_weights, tokenizer_source
@@ -142,7 +142,7 @@ def train(
     model, parallel, meter, guard = run.model, run.parallel, run.meter, run.guard
     settings = config.train
     loss = config.parallel.loss_parallel, config.parallel.loss_impl, config.parallel.loss_chunk
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     tokens_seen = torch.tensor(float(run.progress.tokens_seen), device=device)
     saved = run.progress.step  # the step of the newest checkpoint
     stall = StallWatch(model_config.vocab_size)
@@ -187,6 +187,8 @@ def train(
         run.checkpointer.wait()
         if config.checkpoint.export_hf:
             export_hf(model, run.tokenizer, run_dir / "hf", config.checkpoint.export_dtype)
+        if config.checkpoint.export_merged:  # LoRA: the base with the adapters merged in
+            export_merged(model, run.tokenizer, run_dir / "hf-merged", config.checkpoint.export_dtype)
     finally:  # also when the run fails: a sweep goes on in this process with the next job
         run.close()
     return RunResult(run.history, model, run.optimizer, parallel)
@@ -222,13 +224,15 @@ def log_summary(
     train = config.train
     accumulation = train.global_batch_size // (train.micro_batch_size * parallel.dp_size)
     mesh = dict(zip(parallel.mesh.mesh_dim_names, parallel.mesh.shape, strict=True))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     init = "weights loaded" if config.model.init == "pretrained" else "seeded random init"
     if config.model.init == "random" and config.model.name_or_path:
         weights = has_weights(config.model.name_or_path)
         init = "model.init=random: seeded random init" if weights else "no weights: seeded random init"
     log.info(
         f"model {config.model.name_or_path or 'from model.config'} ({init}) | tokenizer {tokenizer_folder} | "
-        f"{model.config.model_type}: {num_params / 1e6:.2f} M parameters, per-rank shards "
+        f"{model.config.model_type}: {num_params / 1e6:.2f} M parameters, {trainable / 1e6:.3f} M trainable "
+        f"({100 * trainable / num_params:.2f} %), per-rank shards "
         f"{describe_sizes(shard_sizes)} | mesh {mesh} "
         f"on {parallel.device.type} | global batch {train.global_batch_size}, micro batch "
         f"{train.micro_batch_size}, {accumulation} accumulation steps | {n} examples, "

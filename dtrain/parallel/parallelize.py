@@ -1,5 +1,6 @@
 """Apply, in this order: tensor parallel (every parameter covered; skipped at tp = 1) → re-tie
-embeddings → activation checkpointing → torch.compile per decoder layer → FSDP2 per decoder layer
+embeddings → LoRA adapters (lora.r > 0: laid out by each base layer's TP style) → activation
+checkpointing → torch.compile per decoder layer → FSDP2 per decoder layer
 and root. Then check that every parameter is a DTensor on the one mesh.
 """
 
@@ -15,9 +16,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from dtrain.config import ConfigError, ParallelConfig
+from dtrain.config import ConfigError, LoraConfig, ParallelConfig
 from dtrain.distributed import Parallel
-from dtrain.parallel import gemma3, llama, olmo2, phi3, qwen3
+from dtrain.parallel import gemma3, llama, lora, olmo2, phi3, qwen3
 
 # By `config.model_type`. Mistral and Qwen2 name their modules as Llama does (Qwen2's q/k/v biases
 # are sharded with their colwise weights); Qwen3 adds per-head q/k norms; Gemma 3 four norms a
@@ -63,14 +64,27 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
-def parallelize(model: nn.Module, parallel: Parallel, settings: ParallelConfig, precision: str) -> nn.Module:
-    """Shard a meta-device HF causal LM over the mesh, in place. Returns the same model."""
+def parallelize(
+    model: nn.Module,
+    parallel: Parallel,
+    settings: ParallelConfig,
+    precision: str,
+    lora_settings: LoraConfig | None = None,
+    seed: int = 0,
+) -> nn.Module:
+    """Shard a meta-device HF causal LM over the mesh, in place. Returns the same model.
+    `lora_settings` (resolved: lora.resolve) with r > 0: a frozen base with adapters (dtrain/parallel/
+    lora.py); `seed` keys their dropout masks, per data shard (dp and cp rank)."""
     layers = decoder_layers(model)
     if parallel.tp_size > 1:
         # At tp = 1 the plan would only wrap every parameter in a DTensor over a one-rank axis, and
         # every op would pay DTensor dispatch for nothing: FSDP alone gives the same numerics. So
         # families without a plan train at tp = 1 (checks.check_tp_support refuses more).
         apply_tp(model, layers, parallel, settings, TP_PLANS[model.config.model_type])
+    if lora_settings is not None and lora.enabled(lora_settings):
+        shard = parallel.dp_rank * parallel["cp"].size() + parallel["cp"].get_local_rank()
+        dtype = lora.base_dtype(lora_settings, precision)
+        lora.apply_lora(model, layers, lora_settings, dtype, seed * 65_537 + shard)
     apply_activation_checkpointing(layers, settings.activation_checkpointing)
     if settings.compile:
         apply_compile(layers)

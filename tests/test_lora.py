@@ -1,0 +1,310 @@
+"""LoRA on the 2-D mesh against single-process Hugging Face + `peft` (fp32, gloo).
+
+tests/workers/lora_runs.py trains every scenario through dtrain's trainer on 1 and 4 processes; the
+reference here is `peft.get_peft_model` (or `PeftModel.from_pretrained` of the same PEFT-written
+adapter) on `from_pretrained`, and a plain AdamW loop over rows tokenized by the tokenizer's own chat
+template (helpers.chat_rows), in file order: it shares no dtrain code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+from tests.helpers import chat_rows, read_metrics, run, save_user_model, torchrun, user_rows, worker
+from tests.workers.lora_runs import ALPHA, GLOBAL_BATCH, LR, MAX_LEN, SCENARIOS, STEPS, R, logit_ids
+
+pytestmark = pytest.mark.slow
+
+RTOL = 1e-5
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ROWS = STEPS * GLOBAL_BATCH
+
+
+def write_rows(path: Path) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in user_rows(ROWS)))
+    return path
+
+
+def save_peft_adapter(folder: Path) -> None:
+    """A PEFT-written adapter of the folder's model with non-zero A and B (seeded), at folder/adapter."""
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    model.save_pretrained(folder / "adapter")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_models")
+    folders = {
+        "llama": save_user_model(root / "llama", num_key_value_heads=4),  # 4 KV heads: tp=4 divides them
+        "tied": save_user_model(root / "tied", num_key_value_heads=4, tie_word_embeddings=True),
+        "qwen3": save_user_model(root / "qwen3", "qwen3", num_key_value_heads=4, head_dim=16),
+    }
+    for folder in folders.values():
+        save_peft_adapter(folder)
+    return {"root": root, "data": write_rows(root / "rows.jsonl"), **folders}
+
+
+@pytest.fixture(scope="module")
+def lora_runs(models, tmp_path_factory):
+    """Every scenario: one torchrun per world size, each sharing its process group across scenarios."""
+    out = tmp_path_factory.mktemp("lora_runs")
+    for nproc in (1, 4):
+        args = ["--out", str(out), "--models", str(models["root"]), "--data", str(models["data"])]
+        result = torchrun(nproc, *worker("lora_runs"), *args, timeout=900)
+        assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
+    return {path.stem: torch.load(path) for path in out.glob("*.pt")}
+
+
+def peft_model(folder: Path, start: str, init: dict | None, dropout: float = 0.0):
+    """PEFT on from_pretrained: the folder's PEFT adapter, or PEFT's own init with A set to dtrain's
+    initial A (the A's draw is a generator's; B is zero in both)."""
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    if start == "adapter":
+        return PeftModel.from_pretrained(base, folder / "adapter", is_trainable=True)
+    config = LoraConfig(
+        r=R, lora_alpha=ALPHA, lora_dropout=dropout, target_modules=TARGETS, task_type="CAUSAL_LM"
+    )
+    model = get_peft_model(base, config)
+    state = model.state_dict()
+    for key, tensor in init.items():  # base_model.model.X.lora_A.weight → X.lora_A.default.weight
+        name = key.replace(".weight", ".default.weight")
+        assert torch.count_nonzero(state[name]) == 0 or "lora_A" in name
+        state[name].copy_(tensor)
+    return model
+
+
+def reference_run(folder: Path, start: str, init: dict | None):
+    """PEFT + plain AdamW (decay 0.1, betas 0.9/0.95, clip 1.0, warmup 2 + cosine) over the rows in
+    order, GLOBAL_BATCH a step, the loss a token mean over the step. Returns losses, grad norms and
+    the trained adapters under PEFT's saved names."""
+    model = peft_model(folder, start, init)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    rows = chat_rows(tokenizer, user_rows(ROWS))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=STEPS)
+    losses, norms = [], []
+    for step in range(STEPS):
+        batch = [
+            (ids[:MAX_LEN], labels[:MAX_LEN]) for ids, labels in rows[step * GLOBAL_BATCH :][:GLOBAL_BATCH]
+        ]
+        tokens = sum(int((labels != -100).sum()) for _, labels in batch)
+        total = 0.0
+        for ids, labels in batch:
+            logits = model(input_ids=ids[None]).logits[0]
+            loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+            (loss / tokens).backward()
+            total += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(trainable, 1.0).item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(total / tokens)
+    adapters = {
+        "base_model.model." + name.removeprefix("base_model.model.").replace(".default", ""): p.detach()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    return losses, norms, adapters
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+PARITY = [
+    name
+    for world in SCENARIOS.values()
+    for name, (_, _, _, _, overrides) in world.items()
+    if not overrides.get("lora.dropout") and not overrides.get("train.precision")
+]
+
+
+@pytest.fixture(scope="module")
+def references(models, lora_runs):
+    cache = {}
+
+    def get(name: str):
+        _, _, kind, start, _ = {**SCENARIOS[1], **SCENARIOS[4]}[name]
+        key = (kind, start) if start == "adapter" else name
+        if key not in cache:
+            cache[key] = reference_run(models[kind], start, lora_runs[name].get("init"))
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_loss_grad_norm_and_adapters_match_single_process_peft(lora_runs, references, name):
+    losses, norms, adapters = references(name)
+    saved = lora_runs[name]
+    history = saved["history"]
+    assert [h["step"] for h in history] == list(range(1, STEPS + 1))
+    assert losses[-1] < losses[0]  # the reference learns: the comparison is not vacuous
+    for step, (record, loss, norm) in enumerate(zip(history, losses, norms, strict=True), start=1):
+        assert record["loss"] == pytest.approx(loss, rel=RTOL), f"{name} step {step} loss"
+        assert record["grad_norm"] == pytest.approx(norm, rel=RTOL), f"{name} step {step} grad norm"
+    assert set(saved["adapters"]) == set(adapters)
+    for key, tensor in adapters.items():
+        assert relative_error(saved["adapters"][key], tensor) < RTOL, key
+
+
+@pytest.mark.parametrize("name", [n for world in SCENARIOS.values() for n in world])
+def test_only_adapters_train_and_the_base_stays_bit_identical(models, lora_runs, name):
+    """The frozen base after 10 steps equals the model's safetensors bit for bit; only adapters
+    are trainable and only they have AdamW state."""
+    saved = lora_runs[name]
+    kind = {**SCENARIOS[1], **SCENARIOS[4]}[name][2]
+    files = load_file(str(models[kind] / "model.safetensors"))
+    base = {key: value for key, value in saved["base"].items() if key in files}
+    assert set(files) <= set(saved["base"])  # lm_head of the tied model is the embedding, one tensor
+    for key, tensor in base.items():
+        assert torch.equal(tensor, files[key]), key
+    assert saved["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in saved["trainable"])
+    assert saved["optimizer_states"] == len(saved["trainable"])
+
+
+def test_dtrain_init_is_peft_init(lora_runs):
+    """A Kaiming-uniform(a=sqrt(5)): within ±1/sqrt(fan_in), spread over it; B zero."""
+    init = lora_runs["2x2"]["init"]
+    for key, tensor in init.items():
+        if ".lora_B." in key:
+            assert torch.count_nonzero(tensor) == 0, key
+        else:
+            bound = 1 / tensor.shape[1] ** 0.5
+            assert tensor.abs().max() <= bound and tensor.abs().max() > 0.9 * bound, key
+            assert tensor.std() == pytest.approx(bound / 3**0.5, rel=0.15), key
+    assert torch.equal(
+        lora_runs["1x1"]["init"]["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"],
+        init["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"],
+    )  # mesh-independent
+
+
+def test_adapter_export_loads_in_peft_with_the_trained_logits(models, lora_runs):
+    saved = lora_runs["2x2"]
+    base = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+    ids = logit_ids()
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+        logits = PeftModel.from_pretrained(base, Path(saved["run_dir"]) / "hf").eval()(input_ids=ids).logits
+    assert relative_error(logits, saved["trained_logits"]) < RTOL
+    assert relative_error(logits, base_logits) > 1e-3  # training moved the adapters: not the base's
+
+
+def test_merged_export_loads_in_transformers_with_the_trained_logits(lora_runs):
+    saved = lora_runs["2x2"]
+    model = AutoModelForCausalLM.from_pretrained(Path(saved["run_dir"]) / "hf-merged", dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=logit_ids()).logits
+    assert relative_error(logits, saved["trained_logits"]) < RTOL
+
+
+def test_checkpoint_from_2x2_resumes_at_tp1_on_the_uninterrupted_curve(lora_runs):
+    saved = lora_runs["2x2"]
+    uninterrupted = {h["step"]: h for h in saved["history"]}
+    resumed = saved["resumed_history"]
+    assert [h["step"] for h in resumed] == list(range(6, STEPS + 1))
+    for record in resumed:
+        assert record["loss"] == pytest.approx(uninterrupted[record["step"]]["loss"], rel=RTOL)
+        assert record["grad_norm"] == pytest.approx(uninterrupted[record["step"]]["grad_norm"], rel=RTOL)
+    for key, tensor in saved["adapters"].items():
+        assert relative_error(saved["resumed_adapters"][key], tensor) < RTOL, key
+
+
+def test_bf16_keeps_a_bf16_base_and_fp32_adapters_and_tracks_fp32(lora_runs):
+    """lora.base_dtype=auto in a bf16 run: the frozen base is stored in bf16 (2 bytes a parameter),
+    the adapters in fp32; the losses track the fp32 run's (dtrain's own, the same rows and init)."""
+    saved = lora_runs["1x1_bf16"]
+    for name, dtype in saved["dtypes"].items():
+        expected = torch.float32 if name in saved["trainable"] else torch.bfloat16
+        assert dtype == expected, name
+    fp32 = [h["loss"] for h in lora_runs["1x1"]["history"]]
+    assert [h["loss"] for h in saved["history"]] == pytest.approx(fp32, rel=2e-2)
+
+
+def test_dropout_masks_agree_over_tp_and_the_loss_falls(lora_runs):
+    saved = lora_runs["2x2_dropout"]
+    assert saved["masks_agree"]
+    losses = [h["loss"] for h in saved["history"]]
+    assert losses[-1] < losses[0]
+
+
+SFT = ["-m", "dtrain.sft"]
+
+
+def test_cli_tp2_lora_trains_and_exports_an_adapter_peft_loads(models, tmp_path):
+    """The issue's command line at world 4 (dp 2 x tp 2): the summary gives the trainable share, and
+    RUN/hf is a PEFT adapter folder whose model gives the logits the trained run's merged export does."""
+    args = [
+        f"model.name_or_path={models['llama']}",
+        f"data.path={models['data']}",
+        "data.input_key=question",
+        "parallel.tp=2",
+        "lora.r=8",
+        "train.max_steps=2",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "checkpoint.export_hf=true",
+        "checkpoint.export_merged=true",
+        "checkpoint.export_dtype=fp32",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    result = torchrun(4, *SFT, *args, timeout=400)
+    assert result.returncode == 0, result.stdout[-5000:]
+    summary = next(line for line in result.stdout.splitlines() if "per-rank shards" in line)
+    assert "M trainable (" in summary
+    assert len(read_metrics(tmp_path)) == 2
+    config = json.loads((tmp_path / "hf" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and sorted(config["target_modules"]) == sorted(TARGETS)
+    base = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = base(input_ids=logit_ids()).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "hf").eval()(input_ids=logit_ids()).logits
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert relative_error(merged(input_ids=logit_ids()).logits, adapted) < RTOL
+    assert relative_error(adapted, base_logits) > 1e-4  # two steps moved B off zero
+
+
+def test_a_bad_target_module_fails_before_any_process_group_with_one_line(models, tmp_path):
+    args = [f"model.name_or_path={models['llama']}", f"data.path={models['data']}", "data.input_key=question"]
+    args += ["lora.r=8", "lora.target_modules=[q_proj,qkv]", f"hydra.run.dir={tmp_path}"]
+    result = run([sys.executable, *SFT, *args], timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout and "process group" not in result.stdout.lower()
+    errors = [line for line in result.stdout.splitlines() if line.startswith("dtrain: error:")]
+    assert errors == [
+        "dtrain: error: lora.target_modules: 'qkv' names no linear projection of the decoder layers "
+        "(they are down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)"
+    ]
+
+
+def test_export_from_a_lora_checkpoint_writes_the_adapter_and_the_merged_model(models, lora_runs, tmp_path):
+    """python -m dtrain.export on 2x2's step-5 checkpoint: the adapter folder and, with --merged, the
+    merged model give the same logits (PEFT's model against transformers' own)."""
+    checkpoint = Path(lora_runs["2x2"]["run_dir"]) / "checkpoints" / "step-00000005"
+    for out, extra in ((tmp_path / "adapter", []), (tmp_path / "merged", ["--merged"])):
+        result = run(
+            [sys.executable, "-m", "dtrain.export", str(checkpoint), str(out), "--dtype", "fp32", *extra]
+        )
+        assert result.returncode == 0, result.stdout[-3000:]
+    base = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=logit_ids()).logits
+        assert relative_error(merged(input_ids=logit_ids()).logits, adapted) < RTOL
