@@ -31,7 +31,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 ESTIMATE_FORMATS = ("table", "json")
 EXPORT_DTYPES = ("bf16", "fp32")
 OVERLONG = ("truncate", "drop")
-LOSS_IMPLS = ("dense", "chunked", "fused")
+LOSS_IMPLS = ("auto", "dense", "chunked", "fused")
 MODEL_INITS = ("auto", "pretrained", "random")
 # What marks data.path as meant to be local (so a typo is "no such file", not a failed hub lookup).
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
@@ -117,11 +117,6 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     _one_of("parallel.activation_checkpointing", parallel.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _one_of("optim.schedule", config.optim.schedule, SCHEDULES)
     _one_of("parallel.loss_impl", parallel.loss_impl, LOSS_IMPLS)
-    if parallel.loss_impl != "dense" and parallel.loss_chunk < 1:
-        raise ConfigError(
-            f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 1 "
-            f"with parallel.loss_impl={parallel.loss_impl}"
-        )
     _one_of("parallel.reshard_after_forward", parallel.reshard_after_forward, RESHARD_AFTER_FORWARD)
     if parallel.fsdp_prefetch < 0:
         raise ConfigError(
@@ -159,7 +154,14 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
         raise ConfigError("model.tokenizer: needed when model.name_or_path is not set")
 
     check_tp_support(model_config.model_type, shape.tp)
+    if parallel.loss_impl == "auto":  # resolved here, so config.yaml and the planner see what runs
+        parallel.loss_impl = auto_loss_impl(model_config)
     check_loss_support(model_config, parallel.loss_impl)
+    if parallel.loss_impl in ("chunked", "fused") and parallel.loss_chunk < 1:
+        raise ConfigError(
+            f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 1 "
+            f"with parallel.loss_impl={parallel.loss_impl}"
+        )
     # vocab_size need not divide: the embedding and lm_head are padded (dtrain.parallel.vocab).
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(model_config, key, None)
@@ -195,6 +197,16 @@ def check_tp_support(model_type: str, tp: int) -> None:
             f"model type {model_type!r} has no TP plan, so it trains with parallel.tp=1 only (FSDP); "
             f"parallel.tp={tp} needs one of: {', '.join(TP_PLANS)}"
         )
+
+
+def auto_loss_impl(model_config: Any) -> str:
+    """parallel.loss_impl=auto: `fused` (the lowest-memory loss: one chunk of logits alive) wherever
+    check_loss_support allows it, which is where it is exact; `dense` elsewhere."""
+    try:
+        check_loss_support(model_config, "fused")
+    except ConfigError:
+        return "dense"
+    return "fused"
 
 
 def check_loss_support(model_config: Any, loss_impl: str) -> None:
