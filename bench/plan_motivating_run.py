@@ -1,6 +1,7 @@
 """The run that motivated dtrain, planned: Llama-3-8B on 4 ranks at tp=2 and tp=4, max_len 2048,
 micro batch 4, full activation checkpointing, bf16; dtrain with the dense loss and with
-parallel.loss_impl=fused (default loss_chunk); DeepSpeed's layouts beside it (analytic).
+parallel.loss_impl=fused (default loss_chunk; what loss_impl=auto picks for Llama); DeepSpeed's
+layouts beside it (analytic: dtrain/estimate/deepspeed.py's buffers).
 Prints a Markdown table (GB = 1e9 bytes, as in the design notes) for docs/estimate.md.
 
     python bench/plan_motivating_run.py [--gpu-memory-gib 80]
@@ -17,13 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dtrain.estimate.app import compose  # noqa: E402
 from dtrain.estimate.deepspeed import Layout  # noqa: E402
 from dtrain.estimate.planner import Plan, plan  # noqa: E402
-from dtrain.estimate.report import comparisons, verdict  # noqa: E402
+from dtrain.estimate.report import DtrainRow, comparisons, dtrain_row, verdict  # noqa: E402
 
 WORLD = 4
 GB = 1e9
 
 
-def measured_peak(planned: Plan, gpu_memory_gib: float) -> str:
+def planned_peak(planned: Plan, gpu_memory_gib: float) -> str:
     v = verdict(planned.step.peak, gpu_memory_gib)
     phase = planned.step.peak_phase.split(" (")[0]  # "loss", "optimizer step", "backward of NAME"
     return (
@@ -32,7 +33,7 @@ def measured_peak(planned: Plan, gpu_memory_gib: float) -> str:
     )
 
 
-def row(name: str, layout: Layout, logits: str, peak: str) -> str:
+def row(name: str, layout: Layout | DtrainRow, logits: str, peak: str) -> str:
     return (
         f"| {name} | {layout.tp} × {layout.dp} | {layout.model_state / GB:.1f} GB "
         f"| {layout.embedding_and_head / GB:.1f} GB | {logits} | {peak} |"
@@ -45,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     print(
         "| layout | tp × dp | model state | of it embedding + lm_head | logits (one micro-batch) "
-        "| peak (dtrain: measured) |"
+        "| peak (dtrain: planned) |"
     )
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     seen = set()
@@ -59,40 +60,21 @@ def main() -> None:
             "train.precision=bf16",
             f"estimate.world_size={WORLD}",
         ]
-        planned = plan(compose(overrides), WORLD)
+        planned = plan(compose([*overrides, "parallel.loss_impl=dense"]), WORLD)
         fused = plan(compose([*overrides, "parallel.loss_impl=fused"]), WORLD)
+        dense_row = dtrain_row(planned)
+        print(row("dtrain, dense loss (planned)", dense_row, f"{dense_row.logits / GB:.2f} GB",
+                  planned_peak(planned, args.gpu_memory_gib)))  # fmt: skip
+        chunk = f"none; one chunk's temporaries {fused.step.loss_temporaries / GB:.2f} GB"
+        print(row("dtrain, loss_impl=fused (planned; auto's choice)", dtrain_row(fused), chunk,
+                  planned_peak(fused, args.gpu_memory_gib)))  # fmt: skip
         for layout in comparisons(planned):
             key = (layout.name, layout.tp)
-            if key in seen or (layout.name.startswith("ZeRO-") and "AutoTP" not in layout.name and tp != 4):
+            if key in seen or ("AutoTP" not in layout.name and tp != 4):
                 continue  # the plain ZeRO rows do not depend on tp: print them once
             seen.add(key)
-            if not layout.name.startswith("dtrain"):
-                print(
-                    row(
-                        layout.name,
-                        layout,
-                        f"{layout.logits / GB:.2f} GB",
-                        "(analytic: model state + logits only)",
-                    )
-                )
-                continue
-            print(
-                row(
-                    layout.name,
-                    layout,
-                    f"{layout.logits / GB:.2f} GB",
-                    measured_peak(planned, args.gpu_memory_gib),
-                )
-            )
-            chunk = f"none; one chunk's temporaries {fused.step.loss_temporaries / GB:.2f} GB"
-            print(
-                row(
-                    "dtrain, loss_impl=fused (measured)",
-                    comparisons(fused)[0],
-                    chunk,
-                    measured_peak(fused, args.gpu_memory_gib),
-                )
-            )
+            logits = f"{layout.logits_and_loss / GB:.2f} GB (with the loss's fp32 copies)"
+            print(row(layout.name, layout, logits, "(analytic: model state after step 1, from its buffers)"))
 
 
 if __name__ == "__main__":

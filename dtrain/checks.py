@@ -33,7 +33,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 ESTIMATE_FORMATS = ("table", "json")
 EXPORT_DTYPES = ("bf16", "fp32")
 OVERLONG = ("truncate", "drop")
-LOSS_IMPLS = ("dense", "chunked", "fused")
+LOSS_IMPLS = ("auto", "dense", "chunked", "fused")
 MODEL_INITS = ("auto", "pretrained", "random")
 # What marks data.path as meant to be local (so a typo is "no such file", not a failed hub lookup).
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
@@ -119,11 +119,6 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     _one_of("parallel.activation_checkpointing", parallel.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _one_of("optim.schedule", config.optim.schedule, SCHEDULES)
     _one_of("parallel.loss_impl", parallel.loss_impl, LOSS_IMPLS)
-    if parallel.loss_impl != "dense" and parallel.loss_chunk < 1:
-        raise ConfigError(
-            f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 1 "
-            f"with parallel.loss_impl={parallel.loss_impl}"
-        )
     _one_of("parallel.reshard_after_forward", parallel.reshard_after_forward, RESHARD_AFTER_FORWARD)
     if parallel.fsdp_prefetch < 0:
         raise ConfigError(
@@ -163,9 +158,16 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
         raise ConfigError("model.tokenizer: needed when model.name_or_path is not set")
 
     check_tp_support(model_config.model_type, shape.tp)
+    if parallel.loss_impl == "auto":  # resolved here, so config.yaml and the planner see what runs
+        parallel.loss_impl = auto_loss_impl(model_config)
     check_loss_support(model_config, parallel.loss_impl)
     if lora.enabled(config.lora):
         check_lora(config.lora, model_config, train.precision)
+    if parallel.loss_impl in ("chunked", "fused") and parallel.loss_chunk < 1:
+        raise ConfigError(
+            f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 1 "
+            f"with parallel.loss_impl={parallel.loss_impl}"
+        )
     # vocab_size need not divide: the embedding and lm_head are padded (dtrain.parallel.vocab).
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(model_config, key, None)
@@ -232,6 +234,14 @@ def check_lora(settings: LoraConfig, model_config: Any, precision: str) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config))
     lora.check_targets(decoder_layers(model), settings.target_modules)
+def auto_loss_impl(model_config: Any) -> str:
+    """parallel.loss_impl=auto: `fused` (the lowest-memory loss: one chunk of logits alive) wherever
+    check_loss_support allows it, which is where it is exact; `dense` elsewhere."""
+    try:
+        check_loss_support(model_config, "fused")
+    except ConfigError:
+        return "dense"
+    return "fused"
 
 
 def check_loss_support(model_config: Any, loss_impl: str) -> None:

@@ -162,13 +162,14 @@ class ParallelConfig:
     """Activations between blocks sharded over the sequence (over tp)."""
     loss_parallel: bool = True
     """Vocabulary-sharded logits into the cross-entropy."""
-    loss_impl: str = "dense"
-    """`dense`: the model's whole (vocabulary-sharded) logits, then loss parallel's cross-entropy;
+    loss_impl: str = "auto"
+    """`auto`: `fused` where it is exact (a family with a TP plan, logits neither scaled nor
+    softcapped), else `dense`, resolved before launch (config.yaml and the start line say which);
+    `dense`: the model's whole (vocabulary-sharded) logits, then loss parallel's cross-entropy;
     `chunked`: `lm_head` + loss per chunk, each checkpointed (recomputed in backward); `fused`: head,
     loss and both gradients in one pass per chunk (`dtrain/fused_loss.py`), nothing recomputed, one
     chunk of logits alive. `chunked` and `fused` compute `lm_head(hidden)` themselves, so they take the
-    families with a TP plan only, and not Granite's scaled logits; why `dense` stays the default:
-    docs/benchmark.md."""
+    families with a TP plan only, and not Granite's scaled logits."""
     loss_chunk: int = 256
     """`chunked` / `fused`: local sequence positions per chunk (≥ 1)."""
     activation_checkpointing: str = "none"

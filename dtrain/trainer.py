@@ -236,7 +236,7 @@ def log_summary(
         f"{describe_sizes(shard_sizes)} | mesh {mesh} "
         f"on {parallel.device.type} | global batch {train.global_batch_size}, micro batch "
         f"{train.micro_batch_size}, {accumulation} accumulation steps | {n} examples, "
-        f"max_len {config.data.max_len}"
+        f"max_len {config.data.max_len} | loss {config.parallel.loss_impl}"
     )
 
 

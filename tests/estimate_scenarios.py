@@ -1,6 +1,7 @@
 """The small experiments the planner is checked against a real gloo run on (4 ranks): the embedded
-default (tiny Llama, shipped data) with accumulation, with and without activation checkpointing, and
-with context parallel on packed rows. The same overrides go to the planner and to the real run.
+default (tiny Llama, shipped data) with accumulation, with and without activation checkpointing, with
+the fused loss, and with context parallel on packed rows. The same overrides go to the planner and
+to the real run; each names its loss (`parallel.loss_impl`), so a change of the default changes none.
 
 `python -m tests.estimate_scenarios [NAME ...]` prints, by name, the planner's JSON (as `python -m
 dtrain.estimate ... estimate.format=json` does) of each scenario NAME (default: all), planned with the
@@ -19,14 +20,23 @@ SCENARIOS = {
         "parallel.tp=2",
         "parallel.activation_checkpointing=full",
         "train.micro_batch_size=4",
+        "parallel.loss_impl=dense",
     ],
-    "tp4_plain": [*_COMMON, "parallel.tp=4", "train.micro_batch_size=8"],
+    "tp4_plain": [*_COMMON, "parallel.tp=4", "train.micro_batch_size=8", "parallel.loss_impl=dense"],
+    "tp2_fused": [
+        *_COMMON,
+        "parallel.tp=2",
+        "train.micro_batch_size=8",
+        "parallel.loss_impl=fused",
+        "parallel.loss_chunk=16",
+    ],
     "cp2_tp2_packed": [
         *_COMMON,
         "parallel.cp=2",
         "parallel.tp=2",
         "data.packing=true",
         "train.micro_batch_size=8",
+        "parallel.loss_impl=dense",
     ],
 }
 REAL_RUN_ATTENTION = "sdpa"  # dtrain.attention.backend_for on a CPU

@@ -54,6 +54,7 @@ class Plan:
     activation_checkpointing: str
     attention: str  # the attention kernel planned: flex (CUDA's, for packed rows, windows, cp) or sdpa
     accumulation: int  # micro-batches per optimizer step
+    loss_impl: str  # parallel.loss_impl as planned (auto resolved by check_config)
     step: StepMemory
     layers: dict[str, dict[str, int]]  # embedding / lm_head: bytes on this rank and in all
     tied: bool  # lm_head.weight is the embedding's
@@ -185,6 +186,7 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
         activation_checkpointing=config.parallel.activation_checkpointing,
         attention=attention_backend if masked_attention(config, shape, model_config) else "sdpa",
         accumulation=accumulation,
+        loss_impl=config.parallel.loss_impl,
         step=step,
         layers=layers,
         tied=bool(model_config.tie_word_embeddings),

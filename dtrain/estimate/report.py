@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from dtrain.estimate.deepspeed import Layout, layouts
@@ -23,23 +24,53 @@ def _model_state(plan: Plan) -> int:
     return plan.step.params + plan.step.grads + plan.step.optimizer
 
 
-def comparisons(plan: Plan) -> list[Layout]:
-    """dtrain (measured) first, then DeepSpeed's layouts of the same model and batch (analytic)."""
+@dataclass(frozen=True)
+class DtrainRow:
+    """dtrain's planned model state, in the DeepSpeed table's columns."""
+
+    name: str
+    tp: int
+    dp: int  # the states are sharded over dp × cp
+    model_state: int
+    embedding_and_head: int
+    logits: int  # this rank's lm_head output shard (0 with a chunked or fused loss)
+
+
+def dtrain_row(plan: Plan) -> DtrainRow:
     layers = plan.layers
     head = layers["embedding"]["local"] + (0 if plan.tied else layers["lm_head"]["local"])
-    head_share = head / plan.step.params
-    dtrain = Layout(
-        "dtrain (measured)",
+    state = _model_state(plan)
+    return DtrainRow(
+        "dtrain (planned)",
         plan.shape.tp,
-        plan.shape.world // plan.shape.tp,  # the states are sharded over dp × cp
-        _model_state(plan),
-        round(_model_state(plan) * head_share),  # params, grads and AdamW states share one layout
+        plan.shape.world // plan.shape.tp,
+        state,
+        round(state * head / plan.step.params),  # params, grads and AdamW states share one layout
         plan.step.logits,
     )
-    analytic = layouts(
+
+
+def comparisons(plan: Plan) -> list[Layout]:
+    """DeepSpeed's layouts of the same model and batch (analytic: deepspeed.py)."""
+    return layouts(
         plan.census, plan.shape.world, plan.shape.tp, plan.micro_batch_size, plan.max_len, plan.precision
     )
-    return [dtrain, *analytic]
+
+
+def layout_json(layout: Layout) -> dict[str, Any]:
+    return {
+        "name": layout.name,
+        "tp": layout.tp,
+        "dp": layout.dp,
+        "local_params": layout.local_params,
+        "before_first_step": layout.before_first_step,
+        "model_state": layout.model_state,
+        "embedding_and_head": layout.embedding_and_head,
+        "logits_and_loss": layout.logits_and_loss,
+        "buffers": [asdict(b) for b in layout.buffers],
+        "logits": [asdict(b) for b in layout.logits],
+        "analytic": True,
+    }
 
 
 def verdict(peak: int, gpu_memory_gib: float) -> dict[str, Any]:
@@ -67,12 +98,14 @@ def to_json(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], to
             "activation_checkpointing": plan.activation_checkpointing,
             "attention": plan.attention,
             "accumulation": plan.accumulation,
+            "loss_impl": plan.loss_impl,
         },
         "per_rank": step,
         "layers": plan.layers,
         "top_modules": modules,
         "verdict": verdict(plan.step.peak, gpu_memory_gib),
-        "comparisons": [{**asdict(c), "analytic": i > 0} for i, c in enumerate(comparisons(plan))],
+        "dtrain": {**asdict(dtrain_row(plan)), "analytic": False},
+        "deepspeed": [layout_json(layout) for layout in comparisons(plan)],
         "suggestions": [
             {"change": s.change, "peak": s.plan.step.peak, "fits": s.fits, "per_rank": asdict(s.plan.step)}
             for s in suggestions
@@ -106,10 +139,12 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         f"dtrain plan: {plan.model_type}, {plan.num_params / 1e9:.3g} B parameters | world "
         f"{shape.world} = {axes} | micro batch "
         f"{plan.micro_batch_size} × max_len {plan.max_len} | {plan.precision} | activation checkpointing "
-        f"{plan.activation_checkpointing} | attention {plan.attention} | {plan.accumulation} micro-batches "
+        f"{plan.activation_checkpointing} | attention {plan.attention} | loss {plan.loss_impl} | "
+        f"{plan.accumulation} micro-batches "
         f"per step (tracked {step.micro_batches}) | planned in {plan.seconds:.0f} s",
         "",
-        f"per rank, {unit} (measured: FSDPMemTracker on fake tensors, one step after a warm-up step)",
+        f"per rank, {unit} (planned: the trainer's step on fake tensors, tracked by FSDPMemTracker, after a "
+        "warm-up step)",
         row("model state between steps", _model_state(plan)),
         row("  sharded parameters (fp32) + buffers", step.params),
         row("  sharded gradients (fp32)", step.grads),
@@ -141,16 +176,7 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
             for m in step.modules[:top]
         ),
         "",
-        f"the same model and batch under DeepSpeed, {unit} per rank "
-        "(analytic: ZeRO paper formulas, AutoTP's layout)",
-        f"  {'layout':<22}{'tp':>4}{'dp':>4}{'model state':>13}{'emb+head':>10}{'logits':>9}",
-        *(
-            f"  {c.name:<22}{c.tp:>4}{c.dp:>4}{num(c.model_state):>13}{num(c.embedding_and_head):>10}"
-            f"{num(c.logits)}"
-            for c in comparisons(plan)
-        ),
-        "  AutoTP keeps embedding, lm_head and norms whole on every tp rank, ZeRO partitions over dp",
-        "  only, and every DeepSpeed rank computes full-vocabulary logits; dtrain shards all over (dp, tp).",
+        *deepspeed_table(plan, num),
     ]
     if suggestions:
         lines += ["", "what would fit (each planned in full, one change at a time):"]
@@ -160,3 +186,35 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
             for s in suggestions
         ]
     return "\n".join(lines)
+
+
+def deepspeed_table(plan: Plan, num: Callable[[float], str]) -> list[str]:
+    """dtrain's planned model state beside DeepSpeed's layouts, then each layout's buffers."""
+    ours = dtrain_row(plan)
+    unit = "GiB" if plan.step.peak >= GIB else "MiB"
+    lines = [
+        f"the same model and batch under DeepSpeed 0.19, {unit} per rank (analytic: the buffers its "
+        "optimizer wrappers allocate, named below; AutoTP's layout)",
+        f"  {'layout':<24}{'tp':>3}{'dp':>3}{'before step 1':>14}{'after step 1':>13}{'emb+head':>9}"
+        f"{'logits+loss':>12}",
+        f"  {ours.name:<24}{ours.tp:>3}{ours.dp:>3}{'':>14}{num(ours.model_state):>13}"
+        f"{num(ours.embedding_and_head):>9}{num(ours.logits):>12}",
+    ]
+    deepspeed = comparisons(plan)
+    lines += [
+        f"  {c.name:<24}{c.tp:>3}{c.dp:>3}{num(c.before_first_step):>14}{num(c.model_state):>13}"
+        f"{num(c.embedding_and_head):>9}{num(c.logits_and_loss):>12}"
+        for c in deepspeed
+    ]
+    lines += [
+        "  before step 1: what deepspeed.initialize allocates; after step 1: at the end of a backward,",
+        "  with Adam's states (created by the first step) and the gradients; dtrain's column is its",
+        "  model state between steps (planned above). logits+loss: DeepSpeed's full-vocabulary logits",
+        "  and the loss's fp32 copy and log-softmax; dtrain's: its lm_head output shard.",
+        "",
+        "DeepSpeed's buffers, bytes per rank (file: attribute; when it is allocated)",
+    ]
+    for c in deepspeed:
+        lines.append(f"  {c.name} (tp {c.tp}, dp {c.dp}, {c.local_params / 1e9:.3g} B parameters per rank):")
+        lines += [f"    {num(b.bytes)} {unit}  {b.what}: {b.source} ({b.when})" for b in c.buffers + c.logits]
+    return lines

@@ -1,10 +1,16 @@
 """Launched by tests/test_estimate.py under torchrun (gloo, real tensors): the planner's scenarios
 for real. For each, the trainer's mesh, model and optimizer, one warm-up step on real data (each
-rank's part of it: with context parallel its tokens of every row, as the trainer takes them), then
-one full step (every micro-batch of it) under the same FSDPMemTracker the planner uses.
+rank's part of it: with context parallel its tokens of every row, as the trainer takes them), one
+full step (every micro-batch of it) under an independent storage counter, then one more under the
+same FSDPMemTracker the planner uses.
 
-Rank 0 writes `<out>/<name>.json`: the tracker's figures, and the bytes of the real sharded
-tensors counted from their storages (independent of the tracker).
+Rank 0 writes `<out>/<name>.json`:
+- `counted`: the most bytes of live tensor storages at once in that step (StorageCounter below:
+  its own count, nothing of the planner's tracker). torch.profiler's allocator count was tried
+  first and is not usable here: gloo's worker threads free collective buffers with profiling off
+  on their thread, so c10's running total never takes them off (it read 106 MB where 48 MB were live);
+- `real`: the bytes of the real sharded tensors counted from their storages;
+- `tracked`: the tracker's figures (the planner's own measurement, on real tensors).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dtrain.checks import check_config
 from dtrain.data.formats import load_tokenizer
@@ -42,6 +51,69 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+class StorageCounter(TorchDispatchMode):
+    """The most bytes of live tensor storages at once, counted per operator (an independent count:
+    no FSDP or module bookkeeping, nothing of the planner's tracker). Every plain tensor an operator
+    returns registers its storage (views and in-place results share one); a storage counts until
+    its last reference is gone, on whatever thread (StorageWeakRef.expired). Starts from `alive`:
+    the tensors that exist before the step (parameters, buffers, optimizer state)."""
+
+    def __init__(self, alive: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.total = 0  # an upper bound of the live bytes until the next recount
+        for tensor in alive:
+            self._add_plain(tensor)
+        self.peak = self._recount()
+
+    def _add(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key, nbytes = storage._cdata, storage.nbytes()
+        known = self.storages.get(key)
+        if known is None or known[0].expired():
+            self.storages[key] = (StorageWeakRef(storage), nbytes)
+            self.total += nbytes
+        elif nbytes > known[1]:  # FSDP grows an unsharded parameter's storage in place (resize_)
+            self.storages[key] = (known[0], nbytes)
+            self.total += nbytes - known[1]
+
+    def _add_plain(self, tensor: torch.Tensor) -> None:
+        """A subclass (DTensor) runs its own operators with this mode off: count the plain tensors
+        it wraps (__tensor_flatten__), the storages its output holds."""
+        if type(tensor) is torch.Tensor:
+            self._add(tensor)
+            return
+        for attr in tensor.__tensor_flatten__()[0]:
+            inner = getattr(tensor, attr)
+            if isinstance(inner, torch.Tensor):
+                self._add_plain(inner)
+
+    def _recount(self) -> int:
+        """Drop the storages freed since, and re-read every size (FSDP shrinks storages to 0 bytes)."""
+        live = {}
+        for key, (ref, _) in self.storages.items():
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if storage is not None:
+                live[key] = (ref, storage.nbytes())
+            del storage  # a strong reference: dropped at once
+        self.storages = live
+        self.total = sum(nbytes for _, nbytes in live.values())
+        return self.total
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's)
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._add_plain(tensor)
+        if self.total > self.peak:  # a recount only when the peak may have risen
+            self.peak = max(self.peak, self._recount())
+        return out
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+
+
 def run(overrides: list[str], device: torch.device) -> dict:
     config = compose(overrides)
     model_config = load_model_config(config.model)
@@ -63,11 +135,18 @@ def run(overrides: list[str], device: torch.device) -> dict:
 
     loss_parallel, max_norm = config.parallel.loss_parallel, config.optim.max_grad_norm
     impl, chunk = config.parallel.loss_impl, config.parallel.loss_chunk  # the planner's loss
-    micro_batches, tokens = step_batches(0)  # warm-up, as the planner does
-    for mb in micro_batches:
-        micro_step(model, mb, tokens, loss_parallel, impl, chunk)
-    optimizer_step(optimizer, params, max_norm)
-    micro_batches, tokens = step_batches(1)
+
+    def full_step(index: int) -> None:
+        micro_batches, tokens = step_batches(index)
+        for mb in micro_batches:
+            micro_step(model, mb, tokens, loss_parallel, impl, chunk)
+        optimizer_step(optimizer, params, max_norm)
+
+    full_step(0)  # warm-up, as the planner does
+    alive = [*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer)]
+    with StorageCounter(alive) as counter:
+        full_step(1)
+    micro_batches, tokens = step_batches(2)
     tracked = track_step(
         model, optimizer, micro_batches, tokens, loss_parallel, max_norm, loss_impl=impl, loss_chunk=chunk
     )
@@ -76,13 +155,11 @@ def run(overrides: list[str], device: torch.device) -> dict:
     real = {
         "params": storage_bytes([*model.parameters(), *model.buffers()]),
         "grads": storage_bytes(p.grad for p in params),
-        "optimizer": storage_bytes(
-            value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
-        ),
+        "optimizer": storage_bytes(optimizer_tensors(optimizer)),
     }
     step = asdict(tracked)
     step.pop("modules")
-    return {"real": real, "tracked": step, "accumulation": len(micro_batches)}
+    return {"real": real, "tracked": step, "counted": counter.peak, "accumulation": len(micro_batches)}
 
 
 def main() -> None:
