@@ -171,6 +171,6 @@ def test_wandb_falls_back_offline_when_online_init_fails(monkeypatch, tmp_path, 
     monkeypatch.setattr(wandb, "init", init)
     monkeypatch.setenv("WANDB_API_KEY", "abc")
     with caplog.at_level("WARNING", logger="dtrain"):
-        WandbSink(WandbConfig(mode="online"), {"train": {}}, tmp_path)
+        WandbSink(WandbConfig(mode="online"), {"train": {}}, tmp_path, start_step=0)
     assert modes == ["online", "offline"]
     assert caplog.text.count("W&B: online init failed (Timed out while retrying") == 1
