@@ -148,7 +148,9 @@ class WandbSink:
     """One W&B run (rank 0): the resolved config as a plain dict plus the Hydra overrides and
     experiment under `hydra`. Without credentials an online run logs offline, said in one line."""
 
-    def __init__(self, settings: WandbConfig, config: dict[str, Any], run_dir: Path, start_step: int) -> None:
+    def __init__(
+        self, settings: WandbConfig, config: dict[str, Any], run_dir: Path, start_step: int = 0
+    ) -> None:
         import wandb
 
         mode = settings.mode

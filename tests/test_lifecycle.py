@@ -322,6 +322,7 @@ def test_epochs_size_the_run_once_the_rows_are_packed(tmp_path):
         "data.max_samples=40",
         "data.packing=true",
         "train.epochs=1.5",
+        "train.log_every=1",
         "train.global_batch_size=8",
         "train.micro_batch_size=8",
         "optim.warmup_steps=2",
