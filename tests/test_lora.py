@@ -166,15 +166,16 @@ def test_loss_grad_norm_and_adapters_match_single_process_peft(lora_runs, refere
 
 @pytest.mark.parametrize("name", [n for world in SCENARIOS.values() for n in world])
 def test_only_adapters_train_and_the_base_stays_bit_identical(models, lora_runs, name):
-    """The frozen base after 10 steps equals the model's safetensors bit for bit; only adapters
-    are trainable and only they have AdamW state."""
+    """The frozen base after 10 steps equals the model's safetensors bit for bit (rounded once to
+    bf16 in a bf16 run: lora.base_dtype=auto); only adapters are trainable and only they have AdamW
+    state."""
     saved = lora_runs[name]
     kind = {**SCENARIOS[1], **SCENARIOS[4]}[name][2]
     files = load_file(str(models[kind] / "model.safetensors"))
     base = {key: value for key, value in saved["base"].items() if key in files}
     assert set(files) <= set(saved["base"])  # lm_head of the tied model is the embedding, one tensor
     for key, tensor in base.items():
-        assert torch.equal(tensor, files[key]), key
+        assert torch.equal(tensor, files[key].to(tensor.dtype)), key
     assert saved["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in saved["trainable"])
     assert saved["optimizer_states"] == len(saved["trainable"])
 

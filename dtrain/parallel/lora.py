@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtrain.config import ConfigError, LoraConfig
 
@@ -242,9 +243,11 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's slice of the full tensor into the (sharded) parameter."""
-    from dtrain.model import local_slices
-
-    _local(param).copy_(full[local_slices(param)].to(param.dtype))
+    if isinstance(param, DTensor):
+        mesh, placements = param.device_mesh, param.placements
+        shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+        full = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    _local(param).copy_(full.to(param.dtype))
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from dtrain.checks import check_config
@@ -133,7 +134,9 @@ def run(name, dp, tp, kind, start, overrides, args, device) -> dict:
         saved["init"] = adapters(sharded_model(config, device))
     model_config = load_model_config(config.model)
     shape = check_config(config, dist.get_world_size(), model_config)
-    result = train(config, shape, model_config, device, run_dir, resolved={})
+    # the resolved config goes into each checkpoint, as the CLI's does: dtrain.export rebuilds from it
+    resolved = OmegaConf.to_container(OmegaConf.structured(config))
+    result = train(config, shape, model_config, device, run_dir, resolved=resolved)
     saved["history"] = result.history
     saved["adapters"] = adapters(result.model)
     saved["base"] = {
