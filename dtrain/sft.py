@@ -78,6 +78,7 @@ def hydra_main(cfg: DictConfig) -> None:
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
         resolved["model"]["init"] = config.model.init  # config.yaml shows what ran (auto resolved)
+        resolved["parallel"]["loss_impl"] = config.parallel.loss_impl  # likewise (check_config)
         checkpoints = checkpoint_dir(config.checkpoint, run_dir)
         start_over = config.checkpoint.resume == "never"
         conflict = None if start_over else other_run_in(run_dir, checkpoints, resolved)

@@ -151,7 +151,7 @@ def test_peak_within_10_percent_of_an_independent_count(runs, name):
     assert (
         runs["real"][name]["accumulation"]
         == planned["experiment"]["accumulation"]
-        > per_rank["micro_batches"]
+        >= per_rank["micro_batches"]  # the real step runs all micro-batches, the plan at most two
     )
     assert per_rank["peak"] == pytest.approx(counted, rel=0.10)
     assert per_rank["peak"] - per_rank["optimizer"] != pytest.approx(counted, rel=0.10)
