@@ -234,6 +234,8 @@ def check_lora(settings: LoraConfig, model_config: Any, precision: str) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config))
     lora.check_targets(decoder_layers(model), settings.target_modules)
+
+
 def auto_loss_impl(model_config: Any) -> str:
     """parallel.loss_impl=auto: `fused` (the lowest-memory loss: one chunk of logits alive) wherever
     check_loss_support allows it, which is where it is exact; `dense` elsewhere."""

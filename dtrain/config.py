@@ -21,8 +21,8 @@ class ConfigError(ValueError):
 
 # What makes two configs the same run (its folder's name, dtrain.hydra_glue.run_name, and the check
 # that a folder holds this run, dtrain.checkpoint.other_run_in): resuming may change the mesh, the
-# step count, logging and checkpointing.
-RUN_IDENTITY = ("model", "data", "optim", "train.seed", "train.global_batch_size")
+# step count, logging and checkpointing. LoRA is part of it: an adapter run is not a full fine-tune.
+RUN_IDENTITY = ("model", "data", "optim", "lora", "train.seed", "train.global_batch_size")
 
 
 @dataclass
