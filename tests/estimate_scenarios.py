@@ -30,6 +30,15 @@ SCENARIOS = {
         "parallel.loss_impl=fused",
         "parallel.loss_chunk=16",
     ],
+    # a vocabulary 16x the tiny Llama's: the logits and their loss temporaries are a large part of
+    # the peak, so a plan that dropped them would miss the real count by more than 10 %
+    "tp2_large_vocab": [
+        *_COMMON,
+        "parallel.tp=2",
+        "train.micro_batch_size=8",
+        "parallel.loss_impl=dense",
+        "+model.config.vocab_size=16384",
+    ],
     "cp2_tp2_packed": [
         *_COMMON,
         "parallel.cp=2",
