@@ -79,9 +79,7 @@ def export_adapter(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Pa
         )
         (partial / lora.ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save_pretrained(partial)
-        if out.exists():
-            shutil.rmtree(out)
-        partial.rename(out)
+        publish(partial, out)
         log.info(f"exported a PEFT LoRA adapter to {out}")
     dist.barrier()
 
@@ -115,11 +113,16 @@ def write_model(
         _drop_attention_override(partial / "config.json")
         _generation_config(model).save_pretrained(partial)
         tokenizer.save_pretrained(partial)
-        if out.exists():
-            shutil.rmtree(out)
-        partial.rename(out)
+        publish(partial, out)
         log.info(f"exported a Hugging Face model to {out} ({dtype})")
     dist.barrier()
+
+
+def publish(partial: Path, out: Path) -> None:
+    """Replace `out` with the finished `partial` folder (rank 0): the folder appears whole or not at all."""
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)
 
 
 def _drop_attention_override(config_json: Path) -> None:

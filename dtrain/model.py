@@ -19,7 +19,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
 
 from dtrain import attention
-from dtrain.config import Config, ConfigError, ModelConfig
+from dtrain.config import Config, ConfigError, LoraConfig, ModelConfig
 from dtrain.distributed import Parallel
 from dtrain.parallel import fused, lora, phi3, vocab
 from dtrain.parallel.parallelize import parallelize
@@ -163,7 +163,11 @@ def build_meta_model(
 
 
 def materialize(
-    model: nn.Module, device: torch.device, settings: ModelConfig, seed: int, lora_settings=None
+    model: nn.Module,
+    device: torch.device,
+    settings: ModelConfig,
+    seed: int,
+    lora_settings: LoraConfig | None = None,
 ) -> None:
     """Allocate this rank's shards on `device` and fill them; LoRA adapters from lora.adapter's
     folder or PEFT's init."""

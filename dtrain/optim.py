@@ -11,9 +11,14 @@ from transformers import get_scheduler
 from dtrain.config import OptimConfig
 
 
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """What AdamW, the grad norm, clipping and the non-finite guard see (LoRA: the adapters only)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def build_optimizer(model: nn.Module, settings: OptimConfig) -> torch.optim.Optimizer:
-    """Over the trainable parameters (LoRA: the adapters); no weight decay on norms and biases (1-D)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    """Over the trainable parameters; no weight decay on norms and biases (1-D)."""
+    trainable = trainable_parameters(model)
     matrices = [p for p in trainable if p.ndim >= 2]
     vectors = [p for p in trainable if p.ndim < 2]
     groups = [

@@ -24,7 +24,7 @@ from dtrain.export import export_hf, export_merged
 from dtrain.faults import Faults
 from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_flops
 from dtrain.model import build_model, has_weights, tokenizer_source
-from dtrain.optim import build_optimizer, build_scheduler
+from dtrain.optim import build_optimizer, build_scheduler, trainable_parameters
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
 from dtrain.reliability import Preempted, StallWatch, StepGuard
 from dtrain.sinks import Sink, open_sinks
@@ -142,7 +142,7 @@ def train(
     model, parallel, meter, guard = run.model, run.parallel, run.meter, run.guard
     settings = config.train
     loss = config.parallel.loss_parallel, config.parallel.loss_impl, config.parallel.loss_chunk
-    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    params = trainable_parameters(model)
     tokens_seen = torch.tensor(float(run.progress.tokens_seen), device=device)
     saved = run.progress.step  # the step of the newest checkpoint
     stall = StallWatch(model_config.vocab_size)
@@ -224,7 +224,7 @@ def log_summary(
     train = config.train
     accumulation = train.global_batch_size // (train.micro_batch_size * parallel.dp_size)
     mesh = dict(zip(parallel.mesh.mesh_dim_names, parallel.mesh.shape, strict=True))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = sum(p.numel() for p in trainable_parameters(model))
     init = "weights loaded" if config.model.init == "pretrained" else "seeded random init"
     if config.model.init == "random" and config.model.name_or_path:
         weights = has_weights(config.model.name_or_path)
