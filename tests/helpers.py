@@ -47,7 +47,7 @@ TINY = dict(
     eos_token_id=1,
     pad_token_id=2,
 )
-STEPS, GLOBAL_BATCH, MICRO_BATCH, MAX_LEN = 10, 16, 2, 32
+STEPS, GLOBAL_BATCH, MICRO_BATCH, MAX_LEN = 10, 16, 4, 32
 
 
 def save_tiny_llama(folder: Path, tied: bool, seed: int = 0, max_shard_size: str = "5GB") -> Path:
@@ -237,6 +237,20 @@ def torchrun(
         *args,
     ]
     return run(command, timeout=timeout, env=env)
+
+
+def run_in_one_interpreter(folder: Path, commands: dict[str, list[str]], world: int = 1, env=None) -> dict:
+    """`python -m dtrain.sft ARGS` for each of `commands` ({name: args}) in one interpreter
+    (tests/workers/cli_many), as one rank of a `world`-process torchrun (WORLD_SIZE, RANK=0): for
+    commands refused before any process group, without an interpreter's start-up per message.
+    {name: {"returncode", "output"}}."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "commands.json").write_text(json.dumps(commands))
+    runner = [sys.executable, "-m", "tests.workers.cli_many", str(folder / "commands.json")]
+    env = {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", **(env or {})}
+    result = run([*runner, str(folder / "out.json")], timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return json.loads((folder / "out.json").read_text())
 
 
 def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = ROOT):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from tests.helpers import (
     chat_rows,
     read_metrics,
     reference_losses,
-    run,
+    run_in_one_interpreter,
     save_user_model,
     torchrun,
     user_rows,
@@ -156,34 +155,45 @@ def test_no_embedded_setting_leaks_into_the_users_run(user, user_run):
     assert f"model {user['llama']} (weights loaded) | tokenizer {user['llama']}" in summary
 
 
-def refused(result) -> str:
-    """The one dtrain error line of a torchrun that must fail before launch, without a traceback."""
-    # torchrun itself exits 1 when its workers do, and names their exit code
-    assert result.returncode == 1 and re.search(r"exitcode\s*: 2 ", result.stdout), result.stdout[-3000:]
-    assert not re.search(r'File "[^"]*/dtrain/[^"]*", line', result.stdout), result.stdout[-3000:]
-    errors = [line for line in result.stdout.splitlines() if line.startswith("dtrain: error:")]
-    assert len(errors) == 1, result.stdout[-3000:]
+@pytest.fixture(scope="module")
+def refusals(user, tmp_path_factory) -> dict[str, dict]:
+    """Launches refused before any process group, each `dtrain.sft.main()` as one rank of the torchrun
+    (WORLD_SIZE set) in one interpreter (helpers.run_in_one_interpreter); that every rank of a real
+    launch refuses at once is test_lifecycle's and test_data's."""
+    root = tmp_path_factory.mktemp("refusals")
+    data = [f"data.path={user['data']}", "data.input_key=question"]
+    kv_heads = [f"model.name_or_path={user['llama']}", *data, "parallel.tp=4", f"hydra.run.dir={root / 'kv'}"]
+    no_plan = [f"model.name_or_path={user['gpt_neox']}", *data, "parallel.tp=2"]
+    no_plan.append(f"hydra.run.dir={root / 'np'}")
+    return {
+        **run_in_one_interpreter(root / "world4", {"kv_heads": kv_heads}, world=4),
+        **run_in_one_interpreter(root / "world2", {"no_plan": no_plan}, world=2),
+    }
+
+
+def refused(outcome: dict) -> str:
+    """The one dtrain error line of a launch that must fail before any process group: exit code 2,
+    no traceback."""
+    output = outcome["output"]
+    assert outcome["returncode"] == 2, output[-3000:]
+    assert not re.search(r'File "[^"]*/dtrain/[^"]*", line', output), output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("dtrain: error:")]
+    assert len(errors) == 1, output[-3000:]
     return errors[0]
 
 
-def test_tp_beyond_the_folders_kv_heads_is_refused(user, tmp_path):
-    args = [f"model.name_or_path={user['llama']}", f"data.path={user['data']}", "parallel.tp=4"]
-    line = refused(torchrun(4, *SFT, *args, f"hydra.run.dir={tmp_path}", timeout=120))
-    assert "num_key_value_heads=2 is not divisible by parallel.tp=4" in line
+def test_tp_beyond_the_folders_kv_heads_is_refused(refusals):
+    assert "num_key_value_heads=2 is not divisible by parallel.tp=4" in refused(refusals["kv_heads"])
 
 
-def test_a_family_without_a_plan_is_refused_at_tp_2_before_any_process_group(user, tmp_path):
-    args = [f"model.name_or_path={user['gpt_neox']}", f"data.path={user['data']}", "parallel.tp=2"]
-    line = refused(
-        torchrun(2, *SFT, *args, "data.input_key=question", f"hydra.run.dir={tmp_path}", timeout=120)
-    )
+def test_a_family_without_a_plan_is_refused_at_tp_2_before_any_process_group(refusals):
+    line = refused(refusals["no_plan"])
     assert "'gpt_neox' has no TP plan" in line and "llama" in line
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_family_without_a_plan_trains_fsdp_only_at_tp_1(user, tmp_path, nproc):
-    """GPT-NeoX (no TP plan; its decoder layers, `gpt_neox.layers`, found from _no_split_modules) on
-    1 and 2 ranks: the plain transformers loop's losses."""
+def test_a_family_without_a_plan_trains_fsdp_only_at_tp_1(user, tmp_path):
+    """GPT-NeoX (no TP plan; its decoder layers, `gpt_neox.layers`, found from _no_split_modules)
+    sharded over 2 ranks: the plain transformers loop's losses."""
     steps, batch, lr = 3, 8, 1e-3
     args = [
         f"model.name_or_path={user['gpt_neox']}",
@@ -197,7 +207,7 @@ def test_a_family_without_a_plan_trains_fsdp_only_at_tp_1(user, tmp_path, nproc)
         "checkpoint.save_final=false",
         f"hydra.run.dir={tmp_path}",
     ]
-    result = run([sys.executable, *SFT, *args]) if nproc == 1 else torchrun(nproc, *SFT, *args, timeout=300)
+    result = torchrun(2, *SFT, *args, timeout=300)
     assert result.returncode == 0, result.stdout[-5000:]
     losses = [record["loss"] for record in read_metrics(tmp_path)]
     expected = reference_losses(user["gpt_neox"], user_rows(), steps, batch, lr)
