@@ -485,3 +485,24 @@ def assert_adam_state_equal(before: dict[str, dict], after: dict[str, dict]) -> 
         for key in ("exp_avg", "exp_avg_sq", "step"):
             old, new = torch.as_tensor(before[name][key]), torch.as_tensor(after[name][key])
             assert torch.equal(old, new), f"{name}: {key} changed"
+
+
+# A tiny Qwen3-MoE: 8 experts, top-2 with normalised weights (as Qwen3-30B-A3B), experts in every layer.
+TINY_MOE = dict(
+    num_key_value_heads=2,
+    head_dim=16,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+)
+
+
+def save_tiny_moe(folder: Path, seed: int = 0) -> Path:
+    """A tiny HF Qwen3-MoE with random weights, saved by transformers (one tensor per expert on disk)."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("qwen3_moe", **{**TINY, **TINY_MOE})
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
+    return folder
