@@ -487,8 +487,12 @@ def assert_adam_state_equal(before: dict[str, dict], after: dict[str, dict]) -> 
             assert torch.equal(old, new), f"{name}: {key} changed"
 
 
-# A tiny Qwen3-MoE: 8 experts, top-2 with normalised weights (as Qwen3-30B-A3B), experts in every layer.
+# A tiny Qwen3-MoE: 8 experts, top-2 with normalised weights (as Qwen3-30B-A3B), experts in every
+# layer, training with HF's router aux loss at 50 times Qwen's coefficient, so that a wrong aux loss
+# or gradient shows.
 TINY_MOE = dict(
+    output_router_logits=True,
+    router_aux_loss_coef=0.05,
     num_key_value_heads=2,
     head_dim=16,
     moe_intermediate_size=32,

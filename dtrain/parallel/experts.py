@@ -240,3 +240,91 @@ def _local_slices(param: torch.Tensor) -> tuple[slice, ...]:
         return tuple(slice(0, n) for n in param.shape)
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+class RouterStats:
+    """Each step's routing, read off the routers by forward hooks while `recording`: the expert counts
+    per layer (for the expert load and the aux loss) and, for the aux loss, each layer's summed router
+    probabilities of this forward (differentiable).
+
+    The load-balancing loss is HF's (`load_balancing_loss_func` without an attention mask, as HF
+    computes it for dtrain's calls): E · Σ_e (C_e / (L·N)) · (P_e / (L·N)), with C_e the top-k
+    assignments to expert e and P_e its router probability summed over the L expert layers and the N
+    tokens, here of the whole global batch: every rank and micro-batch, so it is the same on every
+    mesh. C is known only after every micro-batch's forward, and the gradient needs it, so a step with
+    the aux loss first counts the routes in a forward without gradients (`count`); each micro-batch
+    then adds coef · E/(L·N)² · Σ_e C_e · P_e(its tokens) to its loss, which sums to coef · aux over
+    the step."""
+
+    def __init__(self, model: nn.Module, routers: list[nn.Module]) -> None:
+        config = model.config
+        self.num_experts, self.layers, self.top_k = (
+            num_experts(config),
+            len(routers),
+            config.num_experts_per_tok,
+        )
+        self.index = {id(router): layer for layer, router in enumerate(routers)}
+        self.coef = config.router_aux_loss_coef if getattr(config, "output_router_logits", False) else 0.0
+        self.recording = False
+        self.counted = False  # whether this step's counts come from `count`, already global
+        self.counts = torch.zeros(0)
+        self.probs: list[torch.Tensor] = []
+        self.aux = torch.zeros(())
+        for router in routers:
+            router.register_forward_hook(self._record)
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> RouterStats | None:
+        """Hooks on every router (the experts' sibling `gate`); None for a model without experts."""
+        modules = dict(model.named_modules())
+        routers = [modules[name.rsplit(".", 1)[0] + ".gate"] for name, _ in experts_modules(model)]
+        return cls(model, routers) if routers else None
+
+    def begin_step(self, device: torch.device) -> None:
+        self.counts = torch.zeros(self.layers, self.num_experts, device=device)
+        self.aux, self.counted, self.probs = torch.zeros((), device=device), False, []
+
+    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.recording:  # eval, and the recomputed forward of activation checkpointing
+            return
+        logits, _, indices = output
+        if not self.counted:
+            counts = torch.bincount(indices.flatten(), minlength=self.num_experts)
+            self.counts[self.index[id(module)]] += counts.to(self.counts.dtype)
+        if self.coef and torch.is_grad_enabled():
+            self.probs.append(torch.softmax(logits.float(), dim=-1).sum(0))
+
+    def count(self, forward: Any, micro_batches: list) -> None:
+        """The step's global counts before its first gradient (aux loss only): a forward of every
+        micro-batch without gradients, the counts summed over every rank (each holds other tokens:
+        its rows, its cp part, its sequence-parallel part at tp > 1)."""
+        self.recording = True
+        with torch.no_grad():
+            for micro_batch in micro_batches:
+                forward(micro_batch)
+        self.recording = False
+        torch.distributed.all_reduce(self.counts)
+        self.counted = True
+
+    def aux_term(self) -> torch.Tensor | None:
+        """This forward's share of coef · aux (None without the aux loss), to add to its loss."""
+        self.recording = False
+        if not self.coef:
+            return None
+        assigned = self.counts.sum(0)  # C_e over every layer
+        rows = assigned.sum() / self.top_k  # L·N: each token is assigned top_k times per layer
+        share = self.num_experts * (assigned * torch.stack(self.probs).sum(0)).sum() / rows**2
+        self.probs = []
+        self.aux += share.detach()
+        return self.coef * share
+
+    def figures(self) -> dict[str, float]:
+        """The step's aux_loss (unscaled, HF's `aux_loss`) and expert load: the worst layer's busiest
+        expert over its mean (1.0: perfectly balanced). A collective: every rank calls it."""
+        aux = self.aux.clone()
+        torch.distributed.all_reduce(aux)
+        counts = self.counts.clone()
+        if not self.counted:
+            torch.distributed.all_reduce(counts)
+        load = (counts.max(dim=1).values / counts.mean(dim=1)).max().item()
+        return {**({"aux_loss": aux.item()} if self.coef else {}), "expert_load": load}
