@@ -1,0 +1,144 @@
+"""Mixture of experts with expert parallel (parallel.ep) against a single-process Hugging Face
+reference: a tiny Qwen3-MoE (8 experts, top-2, HF's router aux loss on) saved by transformers.
+
+One torchrun at world 4 (tests/workers/moe_runs.py) trains ep = 4, ep = 2 × tp = 2 and ep = 2 ×
+dp_shard = 2 through the trainer; the reference is `from_pretrained` + a plain loop over the same
+global batches in one micro-batch with HF's own `aux_loss` added (tests/reference.py), so
+accumulation, the all-to-all dispatch, the expert sharding and the global-batch aux loss must all be
+exact."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dtrain.checks import check_config
+from dtrain.config import ConfigError
+from tests import reference
+from tests.helpers import (
+    DATASET,
+    GLOBAL_BATCH,
+    MAX_LEN,
+    TINY,
+    TINY_MOE,
+    dispatch_rows,
+    parity_config,
+    save_tiny_moe,
+    torchrun,
+    worker,
+)
+from tests.test_parity import (
+    RTOL,
+    assert_close,
+    assert_matches_reference,
+    reference_cache_dir,
+    reference_run,
+)
+
+SCENARIOS = ["ep4", "ep2_tp2", "ep2_dp2"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe_runs")
+    result = torchrun(4, *worker("moe_runs"), "--out", str(out), "--model", str(model_dir), timeout=400)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return {path.stem: torch.load(path) for path in out.glob("*.pt")}
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir, tmp_path_factory):
+    return reference_run(reference_cache_dir(tmp_path_factory), model_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_loss_aux_loss_grad_norm_and_weights_match_single_process_hf(runs, ref, name):
+    """Every step's loss (HF's: token mean + coef · aux_loss), grad norm and aux loss, and the final
+    weights, at test_parity's tolerances."""
+    history = runs[name]["history"]
+    assert_matches_reference(history, runs[name]["params"], ref, "moe", name)
+    assert ref["aux_losses"][0] > 1.0  # top-2 of 8: about 2 when balanced; a real share of the loss
+    for step, (record, aux) in enumerate(zip(history, ref["aux_losses"], strict=True), start=1):
+        assert record["aux_loss"] == pytest.approx(aux, rel=RTOL), f"{name} step {step} aux loss"
+
+
+@pytest.mark.slow
+def test_expert_load_of_the_first_step_is_hf_routing(runs, model_dir):
+    """expert_load: the worst layer's busiest expert over its mean count, over the whole first global
+    batch; here from HF's own router logits of the loaded model on the reference's first batch."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    data = reference.Data(path=DATASET, tokenizer=model_dir, max_len=MAX_LEN)
+    batch = next(reference.stream(data, GLOBAL_BATCH))
+    with torch.no_grad():
+        out = model(input_ids=torch.stack([row.input_ids for row in batch]), output_router_logits=True)
+    loads = []
+    for logits in out.router_logits:
+        chosen = torch.topk(torch.softmax(logits, dim=-1), TINY_MOE["num_experts_per_tok"], dim=-1).indices
+        counts = torch.bincount(chosen.flatten(), minlength=TINY_MOE["num_experts"]).float()
+        loads.append((counts.max() / counts.mean()).item())
+    assert max(loads) > 1.0
+    for name in SCENARIOS:
+        assert runs[name]["history"][0]["expert_load"] == pytest.approx(max(loads), rel=1e-6), name
+
+
+@pytest.mark.slow
+def test_dispatch_is_real(runs, model_dir):
+    """ep = 4, each rank one row: the expert gradients equal HF's on the four rows as one batch, and a
+    token changed in rank 0's row changes the gradient of experts 6 and 7, which live only on ep rank
+    3, whose own row did not change (ranks computing their tokens with the experts they hold could not
+    do that), by HF's amount."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    hf = []
+    for rows in dispatch_rows():
+        logits = model(input_ids=rows, output_router_logits=False).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten(), reduction="sum").backward()
+        hf.append({n: p.grad.clone() for n, p in model.named_parameters() if ".experts." in n})
+        model.zero_grad()
+    dtrain = runs["dispatch"]["grads"]
+    for ours, theirs in zip(dtrain, hf, strict=True):
+        assert set(ours) == set(theirs)
+        for name, grad in theirs.items():
+            assert_close(ours[name], grad, RTOL * grad.abs().max().item(), name)
+    on_rank_3 = slice(6, 8)  # 8 experts over 4 ep ranks: rank 3 holds experts 6 and 7
+    for name, grad in hf[0].items():
+        moved = (dtrain[1][name] - dtrain[0][name])[on_rank_3]
+        expected = (hf[1][name] - grad)[on_rank_3]
+        assert moved.abs().max() > 1e-3 * grad[on_rank_3].abs().max(), name
+        assert_close(moved, expected, 1e-4 * grad[on_rank_3].abs().max().item(), f"{name}: change")
+
+
+def moe_model_config():
+    return AutoConfig.for_model("qwen3_moe", **{**TINY, **TINY_MOE})
+
+
+@pytest.mark.parametrize(
+    "model_type,world,overrides,message",
+    [
+        ("qwen3_moe", 4, dict(dp_shard=4, ep=3), "parallel.ep=3 must divide"),
+        ("qwen3_moe", 4, dict(dp_shard=2, tp=2, ep=4), "parallel.ep=4 must divide"),
+        ("qwen3_moe", 6, dict(dp_shard=6, ep=3), "parallel.ep=3 does not divide the model's 8 experts"),
+        ("qwen3_moe", 4, dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False), "sequence_parallel=true"),
+        ("llama", 4, dict(dp_shard=4, ep=2), "model type 'llama' has no stacked experts"),
+        ("qwen3_moe", 4, dict(dp_shard=4, ep=0), "parallel.ep=0: must be >= 1"),
+    ],
+)
+def test_bad_expert_parallel_configs_fail_before_launch(model_type, world, overrides, message):
+    config = parity_config(Path("/nonexistent"), 1, 1)
+    config.data.path = str(DATASET)
+    config.train.global_batch_size = 24  # divisible by micro batch × dp on every mesh here
+    for key, value in overrides.items():
+        setattr(config.parallel, key, value)
+    model_config = moe_model_config() if model_type == "qwen3_moe" else AutoConfig.for_model("llama", **TINY)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        check_config(copy.deepcopy(config), world, model_config)

@@ -1,0 +1,93 @@
+"""Launched by tests/test_moe.py under torchrun (4 processes): every expert-parallel scenario on one
+process group. Rank 0 saves `<out>/<name>.pt`: each training run's logged history and final full
+parameters, and the expert gradients of the dispatch check; every rank asserts the sharding."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dtrain.checks import check_config
+from dtrain.distributed import init_distributed
+from dtrain.model import canonical_name, load_model_config
+from dtrain.trainer import train
+from tests.helpers import (
+    MAX_LEN,
+    check_expert_sharding,
+    check_sharding,
+    dispatch_rows,
+    one_backward,
+    parity_config,
+    save_results,
+    sharded_model,
+)
+
+# name: (dp_shard, tp, ep); world 4
+SCENARIOS = {"ep4": (4, 1, 4), "ep2_tp2": (2, 2, 2), "ep2_dp2": (4, 1, 2)}
+
+
+class DenseView:
+    """The model's parameters other than the experts, for helpers.check_sharding (one mesh)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def named_parameters(self):
+        return [(n, p) for n, p in self.model.named_parameters() if ".experts." not in n]
+
+
+def moe_config(model_dir: Path, dp: int, tp: int, ep: int):
+    config = parity_config(model_dir, dp, tp)
+    config.parallel.ep = ep
+    return config
+
+
+def training_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
+    dp, tp, ep = SCENARIOS[name]
+    config = moe_config(model_dir, dp, tp, ep)
+    model_config = load_model_config(config.model)
+    shape = check_config(config, dist.get_world_size(), model_config)
+    result = train(config, shape, model_config, device, out / name, resolved={})
+    one_backward(result.model)
+    check_sharding(DenseView(result.model), result.optimizer, dp, tp)
+    check_expert_sharding(result.model, result.optimizer, ep, dp // ep, tp)
+    params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+    return {"history": result.history, "params": params}
+
+
+def dispatch_gradients(model_dir: Path, device: torch.device) -> dict:
+    """ep = 4, the loaded model: rank r runs row r of helpers.dispatch_rows() (summed next-token loss,
+    no aux loss), as is and with rank 0's row changed; the full expert gradients of both."""
+    model = sharded_model(moe_config(model_dir, 4, 1, 4), device)
+    rank, positions = dist.get_rank(), torch.arange(MAX_LEN)[None]
+    grads = []
+    for rows in dispatch_rows():
+        row = rows[rank : rank + 1]
+        logits = model(
+            input_ids=row, position_ids=positions, use_cache=False, output_router_logits=False
+        ).logits
+        F.cross_entropy(logits[0, :-1], row[0, 1:], reduction="sum").backward()
+        grads.append(
+            {canonical_name(n): p.grad.full_tensor() for n, p in model.named_parameters() if ".experts." in n}
+        )
+        model.zero_grad(set_to_none=True)
+    return {"grads": grads}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", type=Path, required=True)
+    args = parser.parse_args()
+    device = init_distributed(timeout_s=300)
+    results = {name: training_run(args.model, args.out, name, device) for name in SCENARIOS}
+    results["dispatch"] = dispatch_gradients(args.model, device)
+    save_results(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
