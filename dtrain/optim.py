@@ -9,6 +9,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import get_scheduler
 
 from dtrain.config import OptimConfig
+from dtrain.parallel.experts import experts_modules
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -32,15 +33,20 @@ def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def build_optimizer(model: nn.Module, settings: OptimConfig) -> torch.optim.Optimizer:
-    """Over the trainable parameters; no weight decay on norms and biases (1-D). One param group per
-    mesh and kind (fused AdamW steps each group on its own, so no kernel mixes meshes)."""
+    """Over the trainable parameters; no weight decay on norms and biases (1-D). A mixture-of-experts
+    model's experts get groups of their own, at any ep (so a checkpoint's groups match at every ep):
+    with ep > 1 they live on another mesh, and fused AdamW steps each group on its own, so no kernel
+    mixes meshes."""
+    trainable = trainable_parameters(model)
+    on_experts = {id(p) for _, module in experts_modules(model) for p in module.parameters()}
     groups = []
-    for params in by_mesh(trainable_parameters(model)):
-        matrices = [p for p in params if p.ndim >= 2]
-        vectors = [p for p in params if p.ndim < 2]
+    for expert in (False, True):
+        params = [p for p in trainable if (id(p) in on_experts) == expert]
+        if expert and not params:
+            continue
         groups += [
-            {"params": matrices, "weight_decay": settings.weight_decay},
-            {"params": vectors, "weight_decay": 0.0},
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": settings.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
     # fused: one pass over each parameter, gradient and moment, no parameter-sized temporaries (the
     # foreach peak in the step is a list larger: 37.4 vs 35.0 GiB per rank, Llama-3-8B at tp=4). The

@@ -27,14 +27,17 @@ from tests.helpers import (
     TINY,
     TINY_MOE,
     dispatch_rows,
+    fixed_batch,
     parity_config,
     save_tiny_moe,
     torchrun,
     worker,
 )
 from tests.test_parity import (
+    LR,
     RTOL,
     assert_close,
+    assert_logits_close,
     assert_matches_reference,
     reference_cache_dir,
     reference_run,
@@ -116,6 +119,34 @@ def test_dispatch_is_real(runs, model_dir):
         expected = (hf[1][name] - grad)[on_rank_3]
         assert moved.abs().max() > 1e-3 * grad[on_rank_3].abs().max(), name
         assert_close(moved, expected, 1e-4 * grad[on_rank_3].abs().max().item(), f"{name}: change")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ep2_dp2_to_ep4", "ep2_dp2_to_ep1"])
+def test_checkpoint_at_ep2_resumes_at_another_ep_on_the_uninterrupted_curve(runs, name):
+    """Saved at step 5 of the ep = 2 × efsdp = 2 run, resumed at ep = 4 and at ep = 1 (experts
+    FSDP-sharded like any weight, AdamW's groups the same): steps 6-10 and the final weights and
+    are the uninterrupted run's. dtrain against dtrain on purpose: the reference is the same run
+    not interrupted (and that run is HF's, test above)."""
+    uninterrupted, resumed = runs["ep2_dp2"], runs[name]
+    assert [h["step"] for h in resumed["history"]] == list(range(6, 11))
+    for before, after in zip(uninterrupted["history"][5:], resumed["history"], strict=True):
+        for key in ("loss", "grad_norm", "aux_loss"):
+            assert after[key] == pytest.approx(before[key], rel=RTOL), f"{name} step {after['step']} {key}"
+    assert set(resumed["params"]) == set(uninterrupted["params"])
+    for key, tensor in uninterrupted["params"].items():
+        assert_close(resumed["params"][key], tensor, RTOL * LR * 10, f"{name}: {key}")
+
+
+@pytest.mark.slow
+def test_export_loads_in_transformers_with_the_trained_logits(runs):
+    """The ep = 2 × tp = 2 run exported at its end (fp32): from_pretrained reads it and computes the
+    trained model's logits."""
+    run = runs["ep2_tp2"]
+    model = AutoModelForCausalLM.from_pretrained(run["hf"], dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        logits = model(input_ids=fixed_batch(), output_router_logits=False).logits
+    assert_logits_close(logits, run["trained_logits"])
 
 
 def moe_model_config():

@@ -213,12 +213,13 @@ def _to_local_tokens(module: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, .
 
 
 def load_stacked(state: dict[str, torch.Tensor], where: dict[str, Path]) -> None:
-    """Fill each rank's experts (their stacked parameters popped from `state`, HF's names) from HF's
-    per-expert tensors (`where`: each tensor's file; the experts' keys are popped from it too):
-    gate_up_proj[e] is gate_proj's rows then up_proj's, down_proj[e] down_proj's weight. Only this
-    rank's experts are read."""
-    prefixes = [name[: -len(".gate_up_proj")] for name in state if name.endswith(".gate_up_proj")]
-    for prefix in prefixes:
+    """Fill each rank's experts (their stacked parameters popped from `state`, HF's names) from the
+    per-expert tensors of HF's checkpoints (`where`: each tensor's file; the experts' keys are popped
+    from it too): gate_up_proj[e] is gate_proj's rows then up_proj's, down_proj[e] down_proj's
+    weight. Only this rank's experts are read."""
+    stacked = [name[: -len(".gate_up_proj")] for name in state if name.endswith(".gate_up_proj")]
+    # A folder dtrain exported holds the stacked tensors themselves: DCP's reader slices those.
+    for prefix in [prefix for prefix in stacked if f"{prefix}.gate_up_proj" not in where]:
         files = {key: where.pop(key) for key in list(where) if key.startswith(f"{prefix}.")}
         for param_name, parts in (("gate_up_proj", (GATE, UP)), ("down_proj", (DOWN,))):
             param = state.pop(f"{prefix}.{param_name}")

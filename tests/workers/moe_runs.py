@@ -20,6 +20,7 @@ from tests.helpers import (
     check_expert_sharding,
     check_sharding,
     dispatch_rows,
+    full_logits,
     one_backward,
     parity_config,
     save_results,
@@ -28,6 +29,9 @@ from tests.helpers import (
 
 # name: (dp_shard, tp, ep); world 4
 SCENARIOS = {"ep4": (4, 1, 4), "ep2_tp2": (2, 2, 2), "ep2_dp2": (4, 1, 2)}
+EXPORTED = "ep2_tp2"  # exported at the end (fp32)
+CHECKPOINTED, SAVED_STEP = "ep2_dp2", 5  # checkpointed at step 5, then resumed at another ep:
+RESUMED = {"ep2_dp2_to_ep4": (4, 1, 4), "ep2_dp2_to_ep1": (4, 1, 1)}
 
 
 class DenseView:
@@ -47,16 +51,27 @@ def moe_config(model_dir: Path, dp: int, tp: int, ep: int):
 
 
 def training_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
-    dp, tp, ep = SCENARIOS[name]
+    dp, tp, ep = {**SCENARIOS, **RESUMED}[name]
     config = moe_config(model_dir, dp, tp, ep)
+    resume = None
+    if name == EXPORTED:
+        config.checkpoint.export_hf, config.checkpoint.export_dtype = True, "fp32"
+    if name == CHECKPOINTED:
+        config.checkpoint.every = SAVED_STEP
+    if name in RESUMED:
+        resume = out / CHECKPOINTED / "checkpoints" / f"step-{SAVED_STEP:08d}"
     model_config = load_model_config(config.model)
     shape = check_config(config, dist.get_world_size(), model_config)
-    result = train(config, shape, model_config, device, out / name, resolved={})
+    result = train(config, shape, model_config, device, out / name, resolved={}, resume_from=resume)
+    saved = {"history": result.history}
+    if name == EXPORTED:
+        saved["trained_logits"], saved["hf"] = full_logits(result.model), str(out / name / "hf")
     one_backward(result.model)
     check_sharding(DenseView(result.model), result.optimizer, dp, tp)
-    check_expert_sharding(result.model, result.optimizer, ep, dp // ep, tp)
-    params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
-    return {"history": result.history, "params": params}
+    if ep > 1:
+        check_expert_sharding(result.model, result.optimizer, ep, dp // ep, tp)
+    saved["params"] = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+    return saved
 
 
 def dispatch_gradients(model_dir: Path, device: torch.device) -> dict:
@@ -84,7 +99,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     args = parser.parse_args()
     device = init_distributed(timeout_s=300)
-    results = {name: training_run(args.model, args.out, name, device) for name in SCENARIOS}
+    results = {name: training_run(args.model, args.out, name, device) for name in {**SCENARIOS, **RESUMED}}
     results["dispatch"] = dispatch_gradients(args.model, device)
     save_results(results, args.out)
 
