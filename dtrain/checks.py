@@ -224,6 +224,12 @@ def check_expert_parallel(model_config: Any, shape: MeshShape, parallel: Paralle
         )
     if not stacked:
         return
+    jitter = getattr(model_config, "router_jitter_noise", 0.0)
+    if jitter:
+        raise ConfigError(
+            f"model router_jitter_noise={jitter}: random noise on the router's input is not supported "
+            "(set +model.config.router_jitter_noise=0)"
+        )
     count = experts.num_experts(model_config)
     if count % shape.ep:
         raise ConfigError(f"parallel.ep={shape.ep} does not divide the model's {count} experts")

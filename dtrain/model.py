@@ -278,7 +278,8 @@ def load_hf_weights(model: nn.Module, folder: str) -> None:
     """Each rank reads only its slices of the safetensors files (DCP's HF reader does the planning)."""
     where = tensor_files(folder)
     state = hf_state_dict(model)
-    experts.load_stacked(state, where)  # HF's files keep one tensor per expert: read by hand
+    # HF's files keep one tensor per expert: read by hand (transformers' converters would stack them)
+    experts.load_stacked(state, where, getattr(model, CHECKPOINT_TRANSFORMS), model.base_model_prefix)
     keys = file_keys(model, where, state)
     state = {keys.get(name, name): tensor for name, tensor in state.items()}
     # Padded vocabulary matrices have more rows than the files: read by hand, the rest by DCP.

@@ -503,10 +503,29 @@ TINY_MOE = dict(
 )
 
 
-def save_tiny_moe(folder: Path, seed: int = 0) -> Path:
-    """A tiny HF Qwen3-MoE with random weights, saved by transformers (one tensor per expert on disk)."""
+def save_tiny_moe(folder: Path, seed: int = 0, aux_loss: bool = True) -> Path:
+    """A tiny HF Qwen3-MoE with random weights, saved by transformers (one tensor per expert on disk);
+    aux_loss=False: trained without the router's aux loss (output_router_logits false, HF's default)."""
     torch.manual_seed(seed)
-    config = AutoConfig.for_model("qwen3_moe", **{**TINY, **TINY_MOE})
+    config = AutoConfig.for_model("qwen3_moe", **{**TINY, **TINY_MOE, "output_router_logits": aux_loss})
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
+    return folder
+
+
+# The other stacked-experts families on TINY, with HF's aux loss as TINY_MOE: Mixtral (Llama's
+# attention with GQA, normalised top-2 weights), OLMoE (whole-width q/k norms, weights not normalised).
+MOE_FAMILIES = {
+    "mixtral": dict(num_key_value_heads=2, num_local_experts=8, tie_word_embeddings=False),
+    "olmoe": dict(num_experts=8, norm_topk_prob=False, tie_word_embeddings=False),
+}
+
+
+def save_tiny_moe_family(folder: Path, model_type: str, seed: int = 0) -> Path:
+    """A tiny HF model of MOE_FAMILIES, saved like save_tiny_moe."""
+    torch.manual_seed(seed)
+    aux = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05)
+    config = AutoConfig.for_model(model_type, **{**TINY, **aux, **MOE_FAMILIES[model_type]})
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
     return folder

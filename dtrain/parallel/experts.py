@@ -21,6 +21,8 @@ own tokens: their gradients are partial sums over tp, which FSDP reduces (Partia
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ParallelStyle
+from transformers.core_model_loading import WeightRenaming, rename_source_key
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from dtrain.config import ConfigError
@@ -41,11 +44,9 @@ from dtrain.config import ConfigError
 EXPERTS = "dtrain_experts"
 # model_type → the config key of the expert count. Families whose experts transformers stacks as
 # gate_up_proj [E, 2I, H] and down_proj [E, H, I], without biases.
-STACKED_EXPERTS = {"qwen3_moe": "num_experts"}
+STACKED_EXPERTS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "olmoe": "num_experts"}
 # Set on each experts module by `shard_experts`: the ep mesh its tokens travel over (None: ep = 1).
 EP_MESH = "dtrain_ep_mesh"
-# The on-disk keys of one expert's matrices (HF checkpoints keep one Linear per expert).
-GATE, UP, DOWN = "gate_proj.weight", "up_proj.weight", "down_proj.weight"
 
 
 def num_experts(model_config: Any) -> int:
@@ -212,28 +213,52 @@ def _to_local_tokens(module: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, .
     return tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
 
 
-def load_stacked(state: dict[str, torch.Tensor], where: dict[str, Path]) -> None:
+def sparse_layer_plan(dense: Callable[[bool], dict[str, ParallelStyle]]) -> Callable[[bool], dict]:
+    """A family's TP layer plan with its MLP styles replaced by the sparse block's: the block works on
+    this tp rank's sequence-parallel tokens, the router replicated over tp (the experts are replicated
+    over tp by shard_experts)."""
+
+    def layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        plan = {key: style for key, style in dense(sequence_parallel).items() if key.split(".")[0] != "mlp"}
+        return plan | {"mlp": SequenceShardedBlock(), "mlp.gate": TokenShardedRouter()}
+
+    return layer_plan
+
+
+def load_stacked(
+    state: dict[str, torch.Tensor], where: dict[str, Path], transforms: list, base_model_prefix: str
+) -> None:
     """Fill each rank's experts (their stacked parameters popped from `state`, HF's names) from the
-    per-expert tensors of HF's checkpoints (`where`: each tensor's file; the experts' keys are popped
-    from it too): gate_up_proj[e] is gate_proj's rows then up_proj's, down_proj[e] down_proj's
-    weight. Only this rank's experts are read."""
-    stacked = [name[: -len(".gate_up_proj")] for name in state if name.endswith(".gate_up_proj")]
-    # A folder dtrain exported holds the stacked tensors themselves: DCP's reader slices those.
-    for prefix in [prefix for prefix in stacked if f"{prefix}.gate_up_proj" not in where]:
-        files = {key: where.pop(key) for key in list(where) if key.startswith(f"{prefix}.")}
-        for param_name, parts in (("gate_up_proj", (GATE, UP)), ("down_proj", (DOWN,))):
-            param = state.pop(f"{prefix}.{param_name}")
-            experts, rows, columns = _local_slices(param)
-            local = param.to_local() if isinstance(param, DTensor) else param
-            for index, expert in enumerate(range(experts.start, experts.stop)):
-                blocks = []
-                for part in parts:
-                    key = f"{prefix}.{expert}.{part}"
-                    if key not in files:
-                        raise ConfigError(f"no tensor {key!r} in the model's safetensors files")
-                    with safe_open(files[key], "pt") as reader:
-                        blocks.append(reader.get_tensor(key))
-                local[index].copy_(torch.cat(blocks)[rows, columns])
+    per-expert tensors of HF's checkpoints, found by transformers' own conversions of the family
+    (`transforms`: Qwen3-MoE's `mlp.experts.{e}.gate_proj.weight`, Mixtral's
+    `block_sparse_moe.experts.{e}.w1.weight` ...; `where`: each tensor's file; the keys read are
+    popped from it): gate_up_proj[e] is the gate's rows then the up projection's, down_proj[e] the
+    down projection. Only this rank's experts are read. A folder dtrain exported holds the stacked
+    tensors themselves: those stay for DCP's reader."""
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    sources: dict[str, dict[tuple[int, int], tuple[str, Path]]] = {}
+    for key in list(where):
+        name, pattern = rename_source_key(key, renamings, converters, base_model_prefix, state)
+        if pattern is None or not name.endswith((".gate_up_proj", ".down_proj")) or name not in state:
+            continue
+        part = next(c for c in converters if pattern in c.source_patterns).source_patterns.index(pattern)
+        expert = int(re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key).group(1))
+        sources.setdefault(name, {})[(expert, part)] = (key, where.pop(key))
+    for name, parts in sources.items():
+        param = state.pop(name)
+        experts, rows, columns = _local_slices(param)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        count = 1 + max(part for _, part in parts)
+        for index, expert in enumerate(range(experts.start, experts.stop)):
+            blocks = []
+            for part in range(count):
+                if (expert, part) not in parts:
+                    raise ConfigError(f"{name}: expert {expert}'s part {part} is in no safetensors file")
+                key, file = parts[(expert, part)]
+                with safe_open(file, "pt") as reader:
+                    blocks.append(reader.get_tensor(key))
+            local[index].copy_(torch.cat(blocks)[rows, columns])
 
 
 def _local_slices(param: torch.Tensor) -> tuple[slice, ...]:

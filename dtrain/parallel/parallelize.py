@@ -28,7 +28,10 @@ TP_PLANS = {
     "mistral": llama,
     "qwen2": llama,
     "qwen3": qwen3,
-    "qwen3_moe": qwen3_moe,  # Qwen3's attention; the router and experts: dtrain/parallel/experts.py
+    # mixtures of experts: the dense relative's attention; the router and experts: parallel/experts.py
+    "qwen3_moe": qwen3_moe,
+    "mixtral": qwen3_moe.MIXTRAL,
+    "olmoe": qwen3_moe.OLMOE,
     "gemma3_text": gemma3,
     "olmo2": olmo2,
     "olmo3": olmo2,

@@ -1,21 +1,28 @@
-"""Tensor-parallel plan for Hugging Face `Qwen3MoeForCausalLM`: Qwen3's attention and norms (Llama's
-table with per-head q/k norms); each sparse MoE block works on its tp rank's sequence-parallel tokens
-with the router and experts replicated over tp (dtrain/parallel/experts.py). Layers without experts
-(`mlp_only_layers`, `decoder_sparse_step`) would take Llama's MLP styles: not planned yet."""
+"""Tensor-parallel plans of the mixture-of-experts families: each is its dense relative's attention
+table (Qwen3-MoE: Qwen3's, per-head q/k norms; Mixtral: Llama's; OLMoE: Llama's with OLMo 2's
+whole-width q/k norms) with the sparse block's styles in place of the MLP's
+(dtrain/parallel/experts.py: each tp rank routes its sequence-parallel tokens, the router and the
+experts replicated over tp). Layers without experts (`mlp_only_layers`, `decoder_sparse_step`) are
+refused at tp > 1 by the checks."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from dtrain.parallel import qwen3
-from dtrain.parallel.experts import SequenceShardedBlock, TokenShardedRouter
+from dtrain.parallel import llama, qwen3
+from dtrain.parallel.experts import sparse_layer_plan
+from dtrain.parallel.styles import WidthShardedNorm
 
 model_plan = qwen3.model_plan
+layer_plan = sparse_layer_plan(qwen3.layer_plan)
 
 
-def layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Plan for one `Qwen3MoeDecoderLayer` with a sparse block (checks refuse tp > 1 without
-    sequence parallel: the block routes this rank's part of the sequence)."""
-    dense = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp")
-    plan = {key: style for key, style in qwen3.layer_plan(sequence_parallel).items() if key not in dense}
-    return plan | {"mlp": SequenceShardedBlock(), "mlp.gate": TokenShardedRouter()}
+def _olmoe_dense_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    width_norms = {"self_attn.q_norm": WidthShardedNorm(), "self_attn.k_norm": WidthShardedNorm()}
+    return llama.layer_plan(sequence_parallel) | width_norms
+
+
+MIXTRAL = SimpleNamespace(model_plan=llama.model_plan, layer_plan=sparse_layer_plan(llama.layer_plan))
+OLMOE = SimpleNamespace(model_plan=llama.model_plan, layer_plan=sparse_layer_plan(_olmoe_dense_plan))

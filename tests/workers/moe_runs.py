@@ -32,6 +32,11 @@ SCENARIOS = {"ep4": (4, 1, 4), "ep2_tp2": (2, 2, 2), "ep2_dp2": (4, 1, 2)}
 EXPORTED = "ep2_tp2"  # exported at the end (fp32)
 CHECKPOINTED, SAVED_STEP = "ep2_dp2", 5  # checkpointed at step 5, then resumed at another ep:
 RESUMED = {"ep2_dp2_to_ep4": (4, 1, 4), "ep2_dp2_to_ep1": (4, 1, 1)}
+# packed rows, context parallel: (dp_shard, cp, ep), the model without the aux loss (the reference
+# runs packed rows document by document, so it has no aux loss over the batch's slots)
+PACKED = {"cp2_ep2": (2, 2, 2)}
+# the other families (helpers.MOE_FAMILIES) at ep = 2 × tp = 2, FAMILY_STEPS steps
+FAMILY_STEPS = 4
 
 
 class DenseView:
@@ -74,6 +79,27 @@ def training_run(model_dir: Path, out: Path, name: str, device: torch.device) ->
     return saved
 
 
+def packed_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
+    dp, cp, ep = PACKED[name]
+    config = moe_config(model_dir, dp, 1, ep)
+    config.parallel.cp, config.data.packing = cp, True
+    model_config = load_model_config(config.model)
+    shape = check_config(config, dist.get_world_size(), model_config)
+    result = train(config, shape, model_config, device, out / name, resolved={})
+    params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+    return {"history": result.history, "params": params}
+
+
+def family_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
+    config = moe_config(model_dir, 2, 2, 2)
+    config.train.max_steps = FAMILY_STEPS
+    model_config = load_model_config(config.model)
+    shape = check_config(config, dist.get_world_size(), model_config)
+    result = train(config, shape, model_config, device, out / name, resolved={})
+    params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+    return {"history": result.history, "params": params}
+
+
 def dispatch_gradients(model_dir: Path, device: torch.device) -> dict:
     """ep = 4, the loaded model: rank r runs row r of helpers.dispatch_rows() (summed next-token loss,
     no aux loss), as is and with rank 0's row changed; the full expert gradients of both."""
@@ -97,9 +123,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--model-without-aux", type=Path, required=True)
+    parser.add_argument("--families", type=Path, required=True, help="a folder per MOE_FAMILIES type")
     args = parser.parse_args()
     device = init_distributed(timeout_s=300)
     results = {name: training_run(args.model, args.out, name, device) for name in {**SCENARIOS, **RESUMED}}
+    results |= {name: packed_run(args.model_without_aux, args.out, name, device) for name in PACKED}
+    for family in sorted(path.name for path in args.families.iterdir()):
+        results[family] = family_run(args.families / family, args.out, family, device)
     results["dispatch"] = dispatch_gradients(args.model, device)
     save_results(results, args.out)
 
