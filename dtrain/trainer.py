@@ -232,6 +232,8 @@ def log_summary(
     train = config.train
     accumulation = train.global_batch_size // (train.micro_batch_size * parallel.dp_size)
     mesh = dict(zip(parallel.mesh.mesh_dim_names, parallel.mesh.shape, strict=True))
+    if parallel.ep_size > 1:  # the experts' split of the fsdp ranks
+        mesh |= {"efsdp": parallel["efsdp"].shape[-1], "ep": parallel.ep_size}
     trainable = sum(p.numel() for p in trainable_parameters(model))
     init = "weights loaded" if config.model.init == "pretrained" else "seeded random init"
     if config.model.init == "random" and config.model.name_or_path:

@@ -33,7 +33,14 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ParallelStyle
 from transformers.core_model_loading import WeightRenaming, rename_source_key
@@ -181,8 +188,6 @@ class TokenShardedRouter(ParallelStyle):
     weights, expert indices) this rank's, as plain tensors."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from torch.distributed.tensor import distribute_module
-
         return distribute_module(module, device_mesh, input_fn=_tokens_to_shards, output_fn=_outputs_to_local)
 
 

@@ -52,6 +52,8 @@ class DenseView:
 def moe_config(model_dir: Path, dp: int, tp: int, ep: int):
     config = parity_config(model_dir, dp, tp)
     config.parallel.ep = ep
+    if tp > 1:  # 2 micro-batches of 4 rows per dp rank, not 4 of 2: accumulation at half the DTensor calls
+        config.train.micro_batch_size = 4
     return config
 
 
