@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -125,6 +126,11 @@ def experts_forward(
     experts' outputs out. The (token, expert) pairs in expert order (token order within an expert),
     computed where their expert lives, weighted and summed per token in expert order, as HF's eager
     loop sums them."""
+    if is_fake(top_k_index):
+        raise ConfigError(
+            f"model type {self.config.model_type!r}: the planner does not plan mixture-of-experts models "
+            "yet (how many tokens each expert gets is known only from real data)"
+        )
     top_k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
