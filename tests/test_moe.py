@@ -2,10 +2,10 @@
 reference: a tiny Qwen3-MoE (8 experts, top-2, HF's router aux loss on) saved by transformers.
 
 One torchrun at world 4 (tests/workers/moe_runs.py) trains ep = 4, ep = 2 × tp = 2 and ep = 2 ×
-dp_shard = 2 through the trainer; the reference is `from_pretrained` + a plain loop over the same
-global batches in one micro-batch with HF's own `aux_loss` added (tests/reference.py), so
-accumulation, the all-to-all dispatch, the expert sharding and the global-batch aux loss must all be
-exact."""
+dp_shard = 2 (with full activation checkpointing) through the trainer; the reference is
+`from_pretrained` + a plain loop over the same global batches in one micro-batch with HF's own
+`aux_loss` added (tests/reference.py), so accumulation, the all-to-all dispatch, the expert sharding
+and the global-batch aux loss must all be exact."""
 
 from __future__ import annotations
 

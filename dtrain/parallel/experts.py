@@ -322,14 +322,19 @@ class RouterStats:
         self.aux, self.counted, self.probs = torch.zeros((), device=device), False, []
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.recording:  # eval, and the recomputed forward of activation checkpointing
-            return
         logits, _, indices = output
+        probs = None
+        if self.coef and torch.is_grad_enabled():
+            # also when not recording: activation checkpointing's recomputed forward (not recorded)
+            # must save the tensors the recorded forward saved
+            probs = torch.softmax(logits.float(), dim=-1).sum(0)
+        if not self.recording:  # eval, other forwards, and the recomputed forward in backward
+            return
         if not self.counted:
             counts = torch.bincount(indices.flatten(), minlength=self.num_experts)
             self.counts[self.index[id(module)]] += counts.to(self.counts.dtype)
-        if self.coef and torch.is_grad_enabled():
-            self.probs.append(torch.softmax(logits.float(), dim=-1).sum(0))
+        if probs is not None:
+            self.probs.append(probs)
 
     def count(self, forward: Any, micro_batches: list) -> None:
         """The step's global counts before its first gradient (aux loss only): a forward of every

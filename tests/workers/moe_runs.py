@@ -30,7 +30,9 @@ from tests.helpers import (
 # name: (dp_shard, tp, ep); world 4
 SCENARIOS = {"ep4": (4, 1, 4), "ep2_tp2": (2, 2, 2), "ep2_dp2": (4, 1, 2)}
 EXPORTED = "ep2_tp2"  # exported at the end (fp32)
-CHECKPOINTED, SAVED_STEP = "ep2_dp2", 5  # checkpointed at step 5, then resumed at another ep:
+# checkpointed at step 5 (and with full activation checkpointing: the recomputed forward dispatches
+# again, and the router's hooks must not count it), then resumed at another ep:
+CHECKPOINTED, SAVED_STEP = "ep2_dp2", 5
 RESUMED = {"ep2_dp2_to_ep4": (4, 1, 4), "ep2_dp2_to_ep1": (4, 1, 1)}
 # packed rows, context parallel: (dp_shard, cp, ep), the model without the aux loss (the reference
 # runs packed rows document by document, so it has no aux loss over the batch's slots)
@@ -65,6 +67,7 @@ def training_run(model_dir: Path, out: Path, name: str, device: torch.device) ->
         config.checkpoint.export_hf, config.checkpoint.export_dtype = True, "fp32"
     if name == CHECKPOINTED:
         config.checkpoint.every = SAVED_STEP
+        config.parallel.activation_checkpointing = "full"
     if name in RESUMED:
         resume = out / CHECKPOINTED / "checkpoints" / f"step-{SAVED_STEP:08d}"
     model_config = load_model_config(config.model)
