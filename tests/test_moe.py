@@ -222,7 +222,9 @@ def moe_model_config():
         ("qwen3_moe", 6, dict(dp_shard=6, ep=3), "parallel.ep=3 does not divide the model's 8 experts"),
         ("qwen3_moe", 4, dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False), "sequence_parallel=true"),
         ("llama", 4, dict(dp_shard=4, ep=2), "model type 'llama' has no stacked experts"),
+        ("mixtral", 4, dict(dp_shard=4, ep=2), "model router_jitter_noise=0.1"),
         ("qwen3_moe", 4, dict(dp_shard=4, ep=0), "parallel.ep=0: must be >= 1"),
+        ("qwen3_moe", 4, dict(dp_shard=4, ep=2, compile=True), "parallel.compile=true: mixture-of-experts"),
     ],
 )
 def test_bad_expert_parallel_configs_fail_before_launch(model_type, world, overrides, message):
@@ -231,6 +233,10 @@ def test_bad_expert_parallel_configs_fail_before_launch(model_type, world, overr
     config.train.global_batch_size = 24  # divisible by micro batch × dp on every mesh here
     for key, value in overrides.items():
         setattr(config.parallel, key, value)
-    model_config = moe_model_config() if model_type == "qwen3_moe" else AutoConfig.for_model("llama", **TINY)
+    model_config = {
+        "qwen3_moe": moe_model_config(),
+        "llama": AutoConfig.for_model("llama", **TINY),
+        "mixtral": AutoConfig.for_model("mixtral", **TINY, router_jitter_noise=0.1),
+    }[model_type]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         check_config(copy.deepcopy(config), world, model_config)
