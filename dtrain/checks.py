@@ -249,7 +249,7 @@ def check_expert_parallel(model_config: Any, shape: MeshShape, parallel: Paralle
     if shape.tp > 1 and dense_layers:
         raise ConfigError(
             f"parallel.tp={shape.tp}: the model has dense MLP layers among its expert layers "
-            "(mlp_only_layers, decoder_sparse_step), which the qwen3_moe plan does not cover yet"
+            "(mlp_only_layers, decoder_sparse_step), which the mixture-of-experts plans do not cover yet"
         )
 
 

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from dtrain.config import ConfigError, LoraConfig, ParallelConfig
 from dtrain.distributed import Parallel
-from dtrain.parallel import experts, gemma3, llama, lora, olmo2, phi3, qwen3, qwen3_moe
+from dtrain.parallel import experts, gemma3, llama, lora, moe, olmo2, phi3, qwen3
 
 # By `config.model_type`. Mistral and Qwen2 name their modules as Llama does (Qwen2's q/k/v biases
 # are sharded with their colwise weights); Qwen3 adds per-head q/k norms; Gemma 3 four norms a
@@ -29,9 +29,9 @@ TP_PLANS = {
     "qwen2": llama,
     "qwen3": qwen3,
     # mixtures of experts: the dense relative's attention; the router and experts: parallel/experts.py
-    "qwen3_moe": qwen3_moe,
-    "mixtral": qwen3_moe.MIXTRAL,
-    "olmoe": qwen3_moe.OLMOE,
+    "qwen3_moe": moe.QWEN3_MOE,
+    "mixtral": moe.MIXTRAL,
+    "olmoe": moe.OLMOE,
     "gemma3_text": gemma3,
     "olmo2": olmo2,
     "olmo3": olmo2,

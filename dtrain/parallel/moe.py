@@ -15,14 +15,12 @@ from dtrain.parallel import llama, qwen3
 from dtrain.parallel.experts import sparse_layer_plan
 from dtrain.parallel.styles import WidthShardedNorm
 
-model_plan = qwen3.model_plan
-layer_plan = sparse_layer_plan(qwen3.layer_plan)
-
 
 def _olmoe_dense_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     width_norms = {"self_attn.q_norm": WidthShardedNorm(), "self_attn.k_norm": WidthShardedNorm()}
     return llama.layer_plan(sequence_parallel) | width_norms
 
 
+QWEN3_MOE = SimpleNamespace(model_plan=qwen3.model_plan, layer_plan=sparse_layer_plan(qwen3.layer_plan))
 MIXTRAL = SimpleNamespace(model_plan=llama.model_plan, layer_plan=sparse_layer_plan(llama.layer_plan))
 OLMOE = SimpleNamespace(model_plan=llama.model_plan, layer_plan=sparse_layer_plan(_olmoe_dense_plan))
