@@ -21,7 +21,7 @@ from dtrain.config import (
     TrainConfig,
 )
 from dtrain.data.formats import FORMATS
-from dtrain.parallel import lora
+from dtrain.parallel import experts, lora
 from dtrain.parallel.parallelize import TP_PLANS, decoder_layers
 
 SWEEP_ON_FAILURE = ("continue", "stop")
@@ -65,7 +65,13 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> MeshShape:
     if others * dp_shard != world_size:
         product = " × ".join(filter(None, [named, f"parallel.dp_shard={dp_shard}"]))
         raise ConfigError(f"{product} = {others * dp_shard}, but the world size is {world_size}")
-    return MeshShape(parallel.dp_replicate, dp_shard, parallel.cp, parallel.tp)
+    _positive("parallel.ep", parallel.ep)
+    if (dp_shard * parallel.cp) % parallel.ep:
+        raise ConfigError(
+            f"parallel.ep={parallel.ep} must divide the ranks FSDP shards over: "
+            f"parallel.dp_shard={dp_shard} × parallel.cp={parallel.cp} = {dp_shard * parallel.cp}"
+        )
+    return MeshShape(parallel.dp_replicate, dp_shard, parallel.cp, parallel.tp, parallel.ep)
 
 
 def _check_source_path(key: str, path: str) -> None:
@@ -158,6 +164,7 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
         raise ConfigError("model.tokenizer: needed when model.name_or_path is not set")
 
     check_tp_support(model_config.model_type, shape.tp)
+    check_expert_parallel(model_config, shape, parallel)
     if parallel.loss_impl == "auto":  # resolved here, so config.yaml and the planner see what runs
         parallel.loss_impl = auto_loss_impl(model_config)
     check_loss_support(model_config, parallel.loss_impl)
@@ -202,6 +209,47 @@ def check_tp_support(model_type: str, tp: int) -> None:
         raise ConfigError(
             f"model type {model_type!r} has no TP plan, so it trains with parallel.tp=1 only (FSDP); "
             f"parallel.tp={tp} needs one of: {', '.join(TP_PLANS)}"
+        )
+
+
+def check_expert_parallel(model_config: Any, shape: MeshShape, parallel: ParallelConfig) -> None:
+    """parallel.ep > 1 needs a family whose experts transformers stacks (experts.STACKED_EXPERTS) and
+    an expert count it divides; such a family at tp > 1 needs sequence parallel (each tp rank routes
+    its own tokens) and experts in every layer (its plan has no dense MLP styles)."""
+    stacked = model_config.model_type in experts.STACKED_EXPERTS
+    if shape.ep > 1 and not stacked:
+        raise ConfigError(
+            f"parallel.ep={shape.ep}: model type {model_config.model_type!r} has no stacked experts "
+            f"dtrain can split; expert parallel takes {', '.join(experts.STACKED_EXPERTS)}"
+        )
+    if not stacked:
+        return
+    if parallel.compile:
+        raise ConfigError(
+            "parallel.compile=true: mixture-of-experts layers size their dispatch from the routing on the "
+            "host, which torch.compile(fullgraph=True) cannot trace; set parallel.compile=false"
+        )
+    jitter = getattr(model_config, "router_jitter_noise", 0.0)
+    if jitter:
+        raise ConfigError(
+            f"model router_jitter_noise={jitter}: random noise on the router's input is not supported "
+            "(set +model.config.router_jitter_noise=0)"
+        )
+    count = experts.num_experts(model_config)
+    if count % shape.ep:
+        raise ConfigError(f"parallel.ep={shape.ep} does not divide the model's {count} experts")
+    if shape.tp > 1 and not parallel.sequence_parallel:
+        raise ConfigError(
+            f"parallel.tp={shape.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true "
+            "(each tp rank routes its own part of the sequence)"
+        )
+    dense_layers = (
+        getattr(model_config, "mlp_only_layers", None) or getattr(model_config, "decoder_sparse_step", 1) != 1
+    )
+    if shape.tp > 1 and dense_layers:
+        raise ConfigError(
+            f"parallel.tp={shape.tp}: the model has dense MLP layers among its expert layers "
+            "(mlp_only_layers, decoder_sparse_step), which the mixture-of-experts plans do not cover yet"
         )
 
 

@@ -158,6 +158,11 @@ class ParallelConfig:
     """Context parallel: each row's sequence split over `cp` ranks, K and V gathered in attention (mesh
     `(dp_replicate, dp_shard, cp, tp)`); FSDP shards over `dp_shard × cp`, the data over
     `dp_replicate × dp_shard`; `data.max_len` must divide by `2·cp` (× `tp` with sequence parallel)."""
+    ep: int = 1
+    """Expert parallel (mixture-of-experts families with stacked experts): each layer's experts split
+    over `ep` ranks taken from the ranks FSDP shards over (`dp_shard × cp`, which `ep` must divide);
+    tokens travel to their experts' ranks and back (all-to-all); expert weights are FSDP-sharded over
+    the remaining `dp_shard × cp / ep` ranks (docs/moe.md)."""
     sequence_parallel: bool = True
     """Activations between blocks sharded over the sequence (over tp)."""
     loss_parallel: bool = True
@@ -369,6 +374,7 @@ class MeshShape:
     dp_shard: int
     cp: int
     tp: int
+    ep: int = 1  # taken from dp_shard × cp, not a factor of the world size of its own
 
     @property
     def dp(self) -> int:
@@ -380,6 +386,7 @@ class MeshShape:
         return self.dp * self.cp * self.tp
 
     def degrees(self) -> dict[str, int]:
+        """The world's axes (ep is not one: it splits dp_shard × cp)."""
         return {axis: getattr(self, axis) for axis in MESH_AXES}
 
 

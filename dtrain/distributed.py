@@ -28,8 +28,14 @@ class Parallel:
     - the tokens': dp_cp, tp. Every rank holding different tokens: token counts and summed losses
       are reduced over dp_cp, once.
 
+    - with expert parallel (ep > 1), the experts': (dp_replicate,) efsdp, ep, tp. The fsdp ranks
+      split into efsdp × ep (ep innermost, as torchtitan takes it): a layer's experts are sharded
+      over ep, and FSDP shards each rank's experts over efsdp (dtrain/parallel/experts.py).
+
     Sub-meshes: "params", "fsdp" (what fully_shard gets: 1-D, or 2-D with dp_replicate for HSDP),
-    "tp", "cp", "dp" (data), "dp_cp" (tokens)."""
+    "tp", "cp", "dp" (data), "dp_cp" (tokens); with ep > 1 "experts" (the expert parameters' mesh),
+    "efsdp" (what fully_shard gets for experts), "ep", "ep_tp" (the mesh experts are split on before
+    FSDP: ep, or ep × tp)."""
 
     def __init__(self, shape: MeshShape, device: torch.device) -> None:
         self.shape, self.device = shape, device
@@ -51,6 +57,8 @@ class Parallel:
             "cp": batch["cp"],
             "dp_cp": tokens["dp_cp"],
         }
+        if shape.ep > 1:
+            self.meshes |= expert_meshes(world, shape)
         if params[fsdp].size() > 1 and shape.tp > 1:
             # The global grad norm is partial over both axes: with their flattening on record, DTensor
             # reduces it in one all_reduce instead of one per axis.
@@ -84,6 +92,27 @@ class Parallel:
     @property
     def tp_size(self) -> int:
         return self.shape.tp
+
+    @property
+    def ep_size(self) -> int:
+        return self.shape.ep
+
+
+def expert_meshes(world: DeviceMesh, shape: MeshShape) -> dict[str, DeviceMesh]:
+    """The experts' views of the world (see Parallel): ep taken from the innermost fsdp ranks."""
+    sizes = (shape.dp_shard * shape.cp // shape.ep, shape.ep, shape.tp)
+    names = ("efsdp", "ep", "tp")
+    if shape.dp_replicate > 1:
+        sizes, names = (shape.dp_replicate, *sizes), ("dp_replicate", *names)
+    experts = world._unflatten(0, sizes, names)
+    # The experts' grad norm is partial over efsdp and ep (replicated over tp): one all_reduce
+    experts["efsdp", "ep"]._flatten("efsdp_ep")
+    return {
+        "experts": experts,
+        "efsdp": experts[names[:-2]] if shape.dp_replicate > 1 else experts["efsdp"],
+        "ep": experts["ep"],
+        "ep_tp": experts["ep", "tp"] if shape.tp > 1 else experts["ep"],
+    }
 
 
 def world_size_from_env() -> int:

@@ -21,7 +21,7 @@ from transformers.core_model_loading import WeightRenaming, rename_source_key
 from dtrain import attention
 from dtrain.config import Config, ConfigError, LoraConfig, ModelConfig
 from dtrain.distributed import Parallel
-from dtrain.parallel import fused, lora, phi3, vocab
+from dtrain.parallel import experts, fused, lora, phi3, vocab
 from dtrain.parallel.parallelize import parallelize
 
 # Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
@@ -148,6 +148,7 @@ def build_meta_model(
     (vocab.padded_vocab_size) pads the embedding and lm_head for a tp that vocab_size is not a
     multiple of. `attention_backend`: see dtrain.attention."""
     attention.configure(config, packed, attention_backend)
+    experts.configure(config)
     config.use_cache = False
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
@@ -277,6 +278,8 @@ def load_hf_weights(model: nn.Module, folder: str) -> None:
     """Each rank reads only its slices of the safetensors files (DCP's HF reader does the planning)."""
     where = tensor_files(folder)
     state = hf_state_dict(model)
+    # HF's files keep one tensor per expert: read by hand (transformers' converters would stack them)
+    experts.load_stacked(state, where, getattr(model, CHECKPOINT_TRANSFORMS), model.base_model_prefix)
     keys = file_keys(model, where, state)
     state = {keys.get(name, name): tensor for name, tensor in state.items()}
     # Padded vocabulary matrices have more rows than the files: read by hand, the rest by DCP.

@@ -23,6 +23,7 @@ from dtrain.loss import (
 )
 from dtrain.optim import clip_grads, global_grad_norm
 from dtrain.parallel.context import CONTEXT_KWARG, shard_sequence
+from dtrain.parallel.experts import RouterStats
 
 
 def local_micro_batch(micro_batch: dict[str, torch.Tensor], parallel: Parallel) -> dict[str, Any]:
@@ -51,13 +52,36 @@ def micro_step(
     loss_parallel: bool,
     loss_impl: str = "dense",
     loss_chunk: int = 0,
+    router: RouterStats | None = None,
 ) -> torch.Tensor:
     """Forward, loss and backward of one micro-batch; returns its summed loss, detached. A function of
-    its own so the logits die with it, and so dtrain.estimate measures exactly this step."""
+    its own so the logits die with it, and so dtrain.estimate measures exactly this step. `router`
+    (a mixture-of-experts model): records the routing, and adds this micro-batch's share of the
+    router's aux loss, if the model has one, to what is differentiated."""
     with loss_context(loss_parallel):
+        if router is not None:
+            router.recording = True
         loss = summed_loss(model, micro_batch, loss_impl, loss_chunk)
-        (loss / tokens).backward()
+        total = loss / tokens
+        aux = router.aux_term() if router is not None else None
+        (total if aux is None else total + aux).backward()
     return loss.detach()
+
+
+def count_routes(
+    model: torch.nn.Module,
+    micro_batches: list[dict[str, Any]],
+    router: RouterStats,
+    loss_parallel: bool,
+    loss_impl: str = "dense",
+    loss_chunk: int = 0,
+) -> None:
+    """Start the step's routing record; with an aux loss, count the whole step's routes first
+    (RouterStats.count: its gradient needs the global counts)."""
+    router.begin_step(micro_batches[0]["input_ids"].device)
+    if router.coef:
+        with loss_context(loss_parallel):
+            router.count(lambda mb: summed_loss(model, mb, loss_impl, loss_chunk), micro_batches)
 
 
 def summed_loss(
@@ -73,6 +97,8 @@ def summed_loss(
     inputs = dict(
         input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
     )
+    if getattr(model.config, "output_router_logits", False):  # dtrain computes the aux loss (RouterStats)
+        inputs["output_router_logits"] = False
     if CONTEXT_KWARG in micro_batch:  # context parallel: attention gathers the rest of each row
         inputs[CONTEXT_KWARG] = micro_batch[CONTEXT_KWARG]
     labels = micro_batch["labels"]

@@ -25,10 +25,11 @@ from dtrain.faults import Faults
 from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_flops
 from dtrain.model import build_model, has_weights, tokenizer_source
 from dtrain.optim import build_optimizer, build_scheduler, trainable_parameters
+from dtrain.parallel.experts import RouterStats
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
 from dtrain.reliability import Preempted, StallWatch, StepGuard
 from dtrain.sinks import Sink, open_sinks
-from dtrain.step import evaluate, global_counts, local_micro_batch, micro_step, optimizer_step
+from dtrain.step import count_routes, evaluate, global_counts, local_micro_batch, micro_step, optimizer_step
 
 log = logging.getLogger("dtrain")
 
@@ -143,6 +144,7 @@ def train(
     settings = config.train
     loss = config.parallel.loss_parallel, config.parallel.loss_impl, config.parallel.loss_chunk
     params = trainable_parameters(model)
+    router = RouterStats.attach(model)  # mixture of experts: routing figures and the aux loss
     tokens_seen = torch.tensor(float(run.progress.tokens_seen), device=device)
     saved = run.progress.step  # the step of the newest checkpoint
     stall = StallWatch(model_config.vocab_size)
@@ -158,8 +160,10 @@ def train(
                 micro_batches = [local_micro_batch(mb, parallel) for mb in host_batches]
             tokens, filled = global_counts(micro_batches, parallel)  # the loss is a token mean over them
             loss_sum = torch.zeros((), device=device)
+            if router is not None:
+                count_routes(model, micro_batches, router, *loss)
             for mb in micro_batches:
-                loss_sum += micro_step(model, mb, tokens, *loss)
+                loss_sum += micro_step(model, mb, tokens, *loss, router=router)
             if run.faults:
                 run.faults.poison(step + 1, model)
             lr = run.scheduler.get_last_lr()[0]
@@ -180,8 +184,12 @@ def train(
                 run.emit({"step": done, **eval_loss})
             if meter.due(done):
                 dist.all_reduce(loss_sum, group=parallel.token_group)
-                figures = (loss_sum / tokens).item(), grad_norm.item(), lr, int(tokens.item()), filled.item()
-                run.emit(meter.record(done, *figures, guard.skipped))
+                routing = router.figures() if router is not None else {}
+                mean = (loss_sum / tokens).item()
+                if router is not None:  # the loss HF trains with: its aux loss, scaled, added
+                    mean += router.coef * routing.get("aux_loss", 0.0)
+                figures = mean, grad_norm.item(), lr, int(tokens.item()), filled.item()
+                run.emit({**meter.record(done, *figures, guard.skipped), **routing})
                 stall.check(done, figures[0], figures[1])
 
         run.checkpointer.wait()
@@ -224,6 +232,8 @@ def log_summary(
     train = config.train
     accumulation = train.global_batch_size // (train.micro_batch_size * parallel.dp_size)
     mesh = dict(zip(parallel.mesh.mesh_dim_names, parallel.mesh.shape, strict=True))
+    if parallel.ep_size > 1:  # the experts' split of the fsdp ranks
+        mesh |= {"efsdp": parallel["efsdp"].shape[-1], "ep": parallel.ep_size}
     trainable = sum(p.numel() for p in trainable_parameters(model))
     init = "weights loaded" if config.model.init == "pretrained" else "seeded random init"
     if config.model.init == "random" and config.model.name_or_path:

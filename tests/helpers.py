@@ -499,3 +499,93 @@ def assert_adam_state_equal(before: dict[str, dict], after: dict[str, dict]) -> 
         for key in ("exp_avg", "exp_avg_sq", "step"):
             old, new = torch.as_tensor(before[name][key]), torch.as_tensor(after[name][key])
             assert torch.equal(old, new), f"{name}: {key} changed"
+
+
+# A tiny Qwen3-MoE: 8 experts, top-2 with normalised weights (as Qwen3-30B-A3B), experts in every
+# layer, training with HF's router aux loss at 50 times Qwen's coefficient, so that a wrong aux loss
+# or gradient shows.
+TINY_MOE = dict(
+    output_router_logits=True,
+    router_aux_loss_coef=0.05,
+    num_key_value_heads=2,
+    head_dim=16,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+)
+
+
+def save_tiny_moe(folder: Path, seed: int = 0, aux_loss: bool = True) -> Path:
+    """A tiny HF Qwen3-MoE with random weights, saved by transformers (one tensor per expert on disk);
+    aux_loss=False: trained without the router's aux loss (output_router_logits false, HF's default)."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("qwen3_moe", **{**TINY, **TINY_MOE, "output_router_logits": aux_loss})
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
+    return folder
+
+
+# The other stacked-experts families on TINY, with HF's aux loss as TINY_MOE: Mixtral (Llama's
+# attention with GQA, normalised top-2 weights), OLMoE (whole-width q/k norms, weights not normalised).
+MOE_FAMILIES = {
+    "mixtral": dict(num_key_value_heads=2, num_local_experts=8, tie_word_embeddings=False),
+    "olmoe": dict(num_experts=8, norm_topk_prob=False, tie_word_embeddings=False),
+}
+
+
+def save_tiny_moe_family(folder: Path, model_type: str, seed: int = 0) -> Path:
+    """A tiny HF model of MOE_FAMILIES, saved like save_tiny_moe."""
+    torch.manual_seed(seed)
+    aux = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05)
+    config = AutoConfig.for_model(model_type, **{**TINY, **aux, **MOE_FAMILIES[model_type]})
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
+    return folder
+
+
+# Rank 0's row of dispatch_rows() changes at this position in the second variant.
+DISPATCH_TOKEN = 5
+
+
+def dispatch_rows() -> list[torch.Tensor]:
+    """Four rows of MAX_LEN tokens ([4, MAX_LEN]: row r for rank r), and the same rows with row 0's
+    DISPATCH_TOKEN changed: only rank 0 holds the change."""
+    ids = (torch.arange(4 * MAX_LEN).reshape(4, MAX_LEN) * 13 + 3) % 1000
+    changed = ids.clone()
+    changed[0, DISPATCH_TOKEN] = (changed[0, DISPATCH_TOKEN] + 1) % 1000
+    return [ids, changed]
+
+
+def check_expert_sharding(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, ep: int, efsdp: int, tp: int
+) -> None:
+    """Expert parameters (`.experts.` in the name), their gradients and AdamW moments (each required,
+    with its step): DTensors on the experts mesh (efsdp, ep, and tp where tp > 1) with the parameter's
+    placements: Shard(0) over ep (the expert dimension), sharded over efsdp, replicated over tp; each
+    local shard at most ceil(numel / (ep·efsdp)). Every AdamW param group holds parameters of one mesh."""
+    names = ("efsdp", "ep", *(("tp",) if tp > 1 else ()))
+    experts = [(name, param) for name, param in model.named_parameters() if ".experts." in name]
+    assert experts, "no expert parameters"
+    for name, param in experts:
+        states = optimizer.state.get(param, {})
+        missing = {"exp_avg", "exp_avg_sq", "step"} - set(states)
+        assert not missing, f"{name} has no AdamW {sorted(missing)}"
+        for label, tensor in [("param", param), ("grad", param.grad)] + [
+            (key, states[key]) for key in ("exp_avg", "exp_avg_sq")
+        ]:
+            assert isinstance(tensor, DTensor), f"{label} of {name} is not a DTensor"
+            assert tuple(tensor.device_mesh.mesh_dim_names) == names, (
+                f"{label} of {name}: {tensor.device_mesh}"
+            )
+            assert tensor.placements == param.placements, f"{label} of {name}: {tensor.placements}"
+        placements = dict(zip(names, param.placements, strict=True))
+        assert placements["ep"] == Shard(0), f"{name}: {param.placements}"
+        assert isinstance(placements["efsdp"], SHARDS), f"{name}: {param.placements}"
+        assert tp == 1 or placements["tp"] == Replicate(), f"{name}: {param.placements}"
+        bound = math.ceil(param.numel() / (ep * efsdp))
+        assert param.to_local().numel() <= bound, f"{name}: {param.to_local().numel()} > {bound}"
+    for group in optimizer.param_groups:
+        meshes = {tuple(p.device_mesh.mesh_dim_names) for p in group["params"]}
+        assert len(meshes) <= 1, f"an AdamW group mixes meshes: {meshes}"

@@ -242,6 +242,19 @@ def summed_loss(model, batch: list[Row], packed: bool) -> torch.Tensor:
     return total
 
 
+def summed_loss_and_aux(model, batch: list[Row], packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts model whose config sets output_router_logits: the batch's summed token
+    loss and HF's own router load-balancing loss (`aux_loss`) of the whole batch, every slot of every
+    row counted (no attention mask: the call dtrain makes), from one forward."""
+    if packed:
+        raise ValueError("the reference has no aux loss over packed rows (it runs documents one by one)")
+    ids = torch.stack([row.input_ids for row in batch])
+    labels = torch.stack([row.labels for row in batch])
+    out = model(input_ids=ids, use_cache=False, output_router_logits=True)
+    summed = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return summed, out.aux_loss
+
+
 def reference_run(model_dir: Path, data: Data, recipe: Recipe) -> dict:
     """Train the HF model on the global batches: {"losses", "norms", "params"} (params detached),
     "seen" (each token's input positions over the run) and what it ran on ("model", "data")."""
@@ -267,14 +280,20 @@ def _train(model_dir: Path, data: Data, recipe: Recipe) -> dict:
         "cosine", optimizer, num_warmup_steps=recipe.warmup_steps, num_training_steps=recipe.steps
     )
     batches = stream(data, recipe.global_batch)
-    losses, norms = [], []
+    losses, norms, aux_losses = [], [], []
+    moe_aux = getattr(model.config, "output_router_logits", False)  # HF adds its router loss then
     seen = torch.zeros(model.get_input_embeddings().num_embeddings, dtype=torch.long)
     for _ in range(recipe.steps):
         batch = next(batches)
         for row in batch:
             seen += torch.bincount(row.input_ids[: row.spans[-1][1]], minlength=len(seen))
         targets = sum(int((row.labels != IGNORE).sum()) for row in batch)
-        loss = summed_loss(model, batch, data.packing) / targets
+        if moe_aux:
+            summed, aux = summed_loss_and_aux(model, batch, data.packing)
+            loss = summed / targets + model.config.router_aux_loss_coef * aux
+            aux_losses.append(aux.item())
+        else:
+            loss = summed_loss(model, batch, data.packing) / targets
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm).item())
         losses.append(loss.item())
@@ -287,6 +306,7 @@ def _train(model_dir: Path, data: Data, recipe: Recipe) -> dict:
         "norms": norms,
         "params": params,
         "seen": seen,
+        **({"aux_losses": aux_losses} if moe_aux else {}),
         "model": str(model_dir),
         "data": _plain(data),
     }

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from dtrain.config import ConfigError, LoraConfig, ParallelConfig
 from dtrain.distributed import Parallel
-from dtrain.parallel import gemma3, llama, lora, olmo2, phi3, qwen3
+from dtrain.parallel import experts, gemma3, llama, lora, moe, olmo2, phi3, qwen3
 
 # By `config.model_type`. Mistral and Qwen2 name their modules as Llama does (Qwen2's q/k/v biases
 # are sharded with their colwise weights); Qwen3 adds per-head q/k norms; Gemma 3 four norms a
@@ -28,6 +28,10 @@ TP_PLANS = {
     "mistral": llama,
     "qwen2": llama,
     "qwen3": qwen3,
+    # mixtures of experts: the dense relative's attention; the router and experts: parallel/experts.py
+    "qwen3_moe": moe.QWEN3_MOE,
+    "mixtral": moe.MIXTRAL,
+    "olmoe": moe.OLMOE,
     "gemma3_text": gemma3,
     "olmo2": olmo2,
     "olmo3": olmo2,
@@ -76,6 +80,7 @@ def parallelize(
     `lora_settings` (resolved: lora.resolve) with r > 0: a frozen base with adapters (dtrain/parallel/
     lora.py); `seed` keys their dropout masks, per data shard (dp and cp rank)."""
     layers = decoder_layers(model)
+    experts.shard_experts(model, parallel)  # over ep, and replicated over tp: before TP's coverage check
     if parallel.tp_size > 1:
         # At tp = 1 the plan would only wrap every parameter in a DTensor over a one-rank axis, and
         # every op would pay DTensor dispatch for nothing: FSDP alone gives the same numerics. So
@@ -142,12 +147,9 @@ def apply_fsdp(
     )
     layers = list(layers)
     for index, layer in enumerate(layers):
-        fully_shard(
-            layer,
-            mesh=parallel["fsdp"],
-            mp_policy=mp_policy,
-            reshard_after_forward=reshards(settings.reshard_after_forward, index, len(layers)),
-        )
+        reshard = reshards(settings.reshard_after_forward, index, len(layers))
+        experts.fully_shard_experts(layer, parallel, mp_policy=mp_policy, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=parallel["fsdp"], mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=parallel["fsdp"], mp_policy=mp_policy)
     # The loss is already divided by the global token count: FSDP must sum, not average, over dp.
     # With one dp rank it already sums, and a divide factor (even 1.0) costs a pass over the grads.
@@ -190,12 +192,22 @@ def check_tp_coverage(model: nn.Module) -> None:
 
 def check_on_mesh(model: nn.Module, parallel: Parallel) -> None:
     """Fail loudly if any parameter is off the training mesh: the whole (dp, tp) mesh, or at tp = 1
-    (no TP applied) the dp mesh alone."""
-    mesh = parallel.mesh if parallel.tp_size > 1 else parallel["fsdp"]
-    expected = tuple(mesh.mesh_dim_names)
+    (no TP applied) the dp mesh alone; with ep > 1, expert parameters on the experts mesh."""
+    on_experts = {id(p) for _, m in experts.experts_modules(model) for p in m.parameters()}
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):
             raise RuntimeError(f"parameter {name} is not a DTensor after parallelize")
+        expected = tuple(parallel_mesh_names(parallel, id(param) in on_experts))
         names = tuple(param.device_mesh.mesh_dim_names or ())
         if names != expected:
             raise RuntimeError(f"parameter {name} is on mesh {names}, expected {expected}")
+
+
+def parallel_mesh_names(parallel: Parallel, expert: bool) -> tuple[str, ...]:
+    """The mesh axes a parameter lives on: the parameters' mesh (without tp at tp = 1), or with ep > 1
+    an expert parameter's (dp_replicate,) efsdp, ep (, tp)."""
+    if expert and parallel.ep_size > 1:
+        names = parallel["experts"].mesh_dim_names
+    else:
+        names = parallel.mesh.mesh_dim_names
+    return tuple(name for name in names if name != "tp" or parallel.tp_size > 1)

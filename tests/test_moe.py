@@ -1,0 +1,242 @@
+"""Mixture of experts with expert parallel (parallel.ep) against a single-process Hugging Face
+reference: a tiny Qwen3-MoE (8 experts, top-2, HF's router aux loss on) saved by transformers.
+
+One torchrun at world 4 (tests/workers/moe_runs.py) trains ep = 4, ep = 2 × tp = 2 and ep = 2 ×
+dp_shard = 2 (with full activation checkpointing) through the trainer; the reference is
+`from_pretrained` + a plain loop over the same global batches in one micro-batch with HF's own
+`aux_loss` added (tests/reference.py), so accumulation, the all-to-all dispatch, the expert sharding
+and the global-batch aux loss must all be exact."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dtrain.checks import check_config
+from dtrain.config import ConfigError
+from tests import reference
+from tests.helpers import (
+    DATASET,
+    GLOBAL_BATCH,
+    MAX_LEN,
+    MOE_FAMILIES,
+    TINY,
+    TINY_MOE,
+    dispatch_rows,
+    fixed_batch,
+    parity_config,
+    save_tiny_moe,
+    save_tiny_moe_family,
+    torchrun,
+    worker,
+)
+from tests.test_parity import (
+    LR,
+    RTOL,
+    assert_close,
+    assert_logits_close,
+    assert_matches_reference,
+    reference_cache_dir,
+    reference_run,
+)
+from tests.workers.moe_runs import FAMILY_STEPS
+
+SCENARIOS = ["ep4", "ep2_tp2", "ep2_dp2"]
+# Expert weights whose tolerance is wider than RTOL·lr·steps, per run, measured like test_parity's
+# exceptions and given about twice the worst error: an element whose gradient entries stay within a
+# few AdamW eps of zero passes its float noise on (test_parity's rare embedding rows). The packed run
+# against HF on each document alone (other shapes, so other noise): measured 4.3e-7 (allowed 3e-7);
+# OLMoE's 4 steps (allowed 1.2e-7): measured 1.35e-7.
+EXPERT_ATOL = {"cp2_ep2": 1e-6, "olmoe": 3e-7}
+
+
+def assert_moe_matches_reference(run: dict, ref: dict, name: str) -> None:
+    """test_parity's assert_matches_reference (every logged loss and grad norm at RTOL, the final
+    weights per element at its tolerances), with EXPERT_ATOL for the expert weights of `name`."""
+    if name not in EXPERT_ATOL:
+        assert_matches_reference(run["history"], run["params"], ref, "moe", name)
+        return
+    experts = {key for key in ref["params"] if ".experts." in key}
+    dense = {key: value for key, value in ref["params"].items() if key not in experts}
+    assert_matches_reference(
+        run["history"], {key: run["params"][key] for key in dense}, {**ref, "params": dense}, "moe", name
+    )
+    for key in experts:
+        assert_close(run["params"][key], ref["params"][key], EXPERT_ATOL[name], f"{name}: {key}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def model_without_aux(tmp_path_factory):
+    return save_tiny_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe_no_aux", aux_loss=False)
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_families")
+    return {family: save_tiny_moe_family(root / family, family) for family in MOE_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, model_without_aux, families, tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe_runs")
+    args = ["--out", str(out), "--model", str(model_dir), "--model-without-aux", str(model_without_aux)]
+    args += ["--families", str(next(iter(families.values())).parent)]
+    result = torchrun(4, *worker("moe_runs"), *args, timeout=400)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return {path.stem: torch.load(path) for path in out.glob("*.pt")}
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir, tmp_path_factory):
+    return reference_run(reference_cache_dir(tmp_path_factory), model_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_loss_aux_loss_grad_norm_and_weights_match_single_process_hf(runs, ref, name):
+    """Every step's loss (HF's: token mean + coef · aux_loss), grad norm and aux loss, and the final
+    weights, at test_parity's tolerances."""
+    history = runs[name]["history"]
+    assert_moe_matches_reference(runs[name], ref, name)
+    assert ref["aux_losses"][0] > 1.0  # top-2 of 8: about 2 when balanced; a real share of the loss
+    for step, (record, aux) in enumerate(zip(history, ref["aux_losses"], strict=True), start=1):
+        assert record["aux_loss"] == pytest.approx(aux, rel=RTOL), f"{name} step {step} aux loss"
+
+
+@pytest.mark.slow
+def test_packed_rows_with_context_parallel_match_hf_on_each_document(
+    runs, model_without_aux, tmp_path_factory
+):
+    """dp_shard 2 × cp 2 with ep = 2 (each ep group: the two cp ranks of a dp rank) on packed rows
+    whose documents cross the cp chunks, without the aux loss: HF on each document alone."""
+    ref = reference_run(reference_cache_dir(tmp_path_factory), model_without_aux, packed=True)
+    assert_moe_matches_reference(runs["cp2_ep2"], ref, "cp2_ep2")
+    assert all(
+        "aux_loss" not in record and record["expert_load"] >= 1.0 for record in runs["cp2_ep2"]["history"]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_other_families_match_single_process_hf(runs, families, family, tmp_path_factory):
+    """Mixtral and OLMoE at ep = 2 × tp = 2 with HF's aux loss, FAMILY_STEPS steps: every step's loss,
+    aux loss and grad norm and the final weights, against the same reference."""
+    ref = reference_run(reference_cache_dir(tmp_path_factory), families[family], steps=FAMILY_STEPS)
+    assert_moe_matches_reference(runs[family], ref, family)
+    for record, aux in zip(runs[family]["history"], ref["aux_losses"], strict=True):
+        assert record["aux_loss"] == pytest.approx(aux, rel=RTOL), f"{family} step {record['step']} aux loss"
+
+
+@pytest.mark.slow
+def test_expert_load_of_the_first_step_is_hf_routing(runs, model_dir):
+    """expert_load: the worst layer's busiest expert over its mean count, over the whole first global
+    batch; here from HF's own router logits of the loaded model on the reference's first batch."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    data = reference.Data(path=DATASET, tokenizer=model_dir, max_len=MAX_LEN)
+    batch = next(reference.stream(data, GLOBAL_BATCH))
+    with torch.no_grad():
+        out = model(input_ids=torch.stack([row.input_ids for row in batch]), output_router_logits=True)
+    loads = []
+    for logits in out.router_logits:
+        chosen = torch.topk(torch.softmax(logits, dim=-1), TINY_MOE["num_experts_per_tok"], dim=-1).indices
+        counts = torch.bincount(chosen.flatten(), minlength=TINY_MOE["num_experts"]).float()
+        loads.append((counts.max() / counts.mean()).item())
+    assert max(loads) > 1.0
+    for name in SCENARIOS:
+        assert runs[name]["history"][0]["expert_load"] == pytest.approx(max(loads), rel=1e-6), name
+
+
+@pytest.mark.slow
+def test_dispatch_is_real(runs, model_dir):
+    """ep = 4, each rank one row: the expert gradients equal HF's on the four rows as one batch, and a
+    token changed in rank 0's row changes the gradient of experts 6 and 7, which live only on ep rank
+    3, whose own row did not change (ranks computing their tokens with the experts they hold could not
+    do that), by HF's amount."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    hf = []
+    for rows in dispatch_rows():
+        logits = model(input_ids=rows, output_router_logits=False).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten(), reduction="sum").backward()
+        hf.append({n: p.grad.clone() for n, p in model.named_parameters() if ".experts." in n})
+        model.zero_grad()
+    dtrain = runs["dispatch"]["grads"]
+    for ours, theirs in zip(dtrain, hf, strict=True):
+        assert set(ours) == set(theirs)
+        for name, grad in theirs.items():
+            assert_close(ours[name], grad, RTOL * grad.abs().max().item(), name)
+    on_rank_3 = slice(6, 8)  # 8 experts over 4 ep ranks: rank 3 holds experts 6 and 7
+    for name, grad in hf[0].items():
+        moved = (dtrain[1][name] - dtrain[0][name])[on_rank_3]
+        expected = (hf[1][name] - grad)[on_rank_3]
+        assert moved.abs().max() > 1e-3 * grad[on_rank_3].abs().max(), name
+        assert_close(moved, expected, 1e-4 * grad[on_rank_3].abs().max().item(), f"{name}: change")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ep2_dp2_to_ep4", "ep2_dp2_to_ep1"])
+def test_checkpoint_at_ep2_resumes_at_another_ep_on_the_uninterrupted_curve(runs, name):
+    """Saved at step 5 of the ep = 2 × efsdp = 2 run, resumed at ep = 4 and at ep = 1 (experts
+    FSDP-sharded like any weight, AdamW's groups the same): steps 6-10 and the final weights and
+    are the uninterrupted run's. dtrain against dtrain on purpose: the reference is the same run
+    not interrupted (and that run is HF's, test above)."""
+    uninterrupted, resumed = runs["ep2_dp2"], runs[name]
+    assert [h["step"] for h in resumed["history"]] == list(range(6, 11))
+    for before, after in zip(uninterrupted["history"][5:], resumed["history"], strict=True):
+        for key in ("loss", "grad_norm", "aux_loss"):
+            assert after[key] == pytest.approx(before[key], rel=RTOL), f"{name} step {after['step']} {key}"
+    assert set(resumed["params"]) == set(uninterrupted["params"])
+    for key, tensor in uninterrupted["params"].items():
+        assert_close(resumed["params"][key], tensor, RTOL * LR * 10, f"{name}: {key}")
+
+
+@pytest.mark.slow
+def test_export_loads_in_transformers_with_the_trained_logits(runs):
+    """The ep = 2 × tp = 2 run exported at its end (fp32): from_pretrained reads it and computes the
+    trained model's logits."""
+    run = runs["ep2_tp2"]
+    model = AutoModelForCausalLM.from_pretrained(run["hf"], dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        logits = model(input_ids=fixed_batch(), output_router_logits=False).logits
+    assert_logits_close(logits, run["trained_logits"])
+
+
+def moe_model_config():
+    return AutoConfig.for_model("qwen3_moe", **{**TINY, **TINY_MOE})
+
+
+@pytest.mark.parametrize(
+    "model_type,world,overrides,message",
+    [
+        ("qwen3_moe", 4, dict(dp_shard=4, ep=3), "parallel.ep=3 must divide"),
+        ("qwen3_moe", 4, dict(dp_shard=2, tp=2, ep=4), "parallel.ep=4 must divide"),
+        ("qwen3_moe", 6, dict(dp_shard=6, ep=3), "parallel.ep=3 does not divide the model's 8 experts"),
+        ("qwen3_moe", 4, dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False), "sequence_parallel=true"),
+        ("llama", 4, dict(dp_shard=4, ep=2), "model type 'llama' has no stacked experts"),
+        ("mixtral", 4, dict(dp_shard=4, ep=2), "model router_jitter_noise=0.1"),
+        ("qwen3_moe", 4, dict(dp_shard=4, ep=0), "parallel.ep=0: must be >= 1"),
+        ("qwen3_moe", 4, dict(dp_shard=4, ep=2, compile=True), "parallel.compile=true: mixture-of-experts"),
+    ],
+)
+def test_bad_expert_parallel_configs_fail_before_launch(model_type, world, overrides, message):
+    config = parity_config(Path("/nonexistent"), 1, 1)
+    config.data.path = str(DATASET)
+    config.train.global_batch_size = 24  # divisible by micro batch × dp on every mesh here
+    for key, value in overrides.items():
+        setattr(config.parallel, key, value)
+    model_config = {
+        "qwen3_moe": moe_model_config(),
+        "llama": AutoConfig.for_model("llama", **TINY),
+        "mixtral": AutoConfig.for_model("mixtral", **TINY, router_jitter_noise=0.1),
+    }[model_type]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        check_config(copy.deepcopy(config), world, model_config)

@@ -1,0 +1,144 @@
+"""Launched by tests/test_moe.py under torchrun (4 processes): every expert-parallel scenario on one
+process group. Rank 0 saves `<out>/<name>.pt`: each training run's logged history and final full
+parameters, and the expert gradients of the dispatch check; every rank asserts the sharding."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dtrain.checks import check_config
+from dtrain.distributed import init_distributed
+from dtrain.model import canonical_name, load_model_config
+from dtrain.trainer import train
+from tests.helpers import (
+    MAX_LEN,
+    check_expert_sharding,
+    check_sharding,
+    dispatch_rows,
+    full_logits,
+    one_backward,
+    parity_config,
+    save_results,
+    sharded_model,
+)
+
+# name: (dp_shard, tp, ep); world 4
+SCENARIOS = {"ep4": (4, 1, 4), "ep2_tp2": (2, 2, 2), "ep2_dp2": (4, 1, 2)}
+EXPORTED = "ep2_tp2"  # exported at the end (fp32)
+# checkpointed at step 5 (and with full activation checkpointing: the recomputed forward dispatches
+# again, and the router's hooks must not count it), then resumed at another ep:
+CHECKPOINTED, SAVED_STEP = "ep2_dp2", 5
+RESUMED = {"ep2_dp2_to_ep4": (4, 1, 4), "ep2_dp2_to_ep1": (4, 1, 1)}
+# packed rows, context parallel: (dp_shard, cp, ep), the model without the aux loss (the reference
+# runs packed rows document by document, so it has no aux loss over the batch's slots)
+PACKED = {"cp2_ep2": (2, 2, 2)}
+# the other families (helpers.MOE_FAMILIES) at ep = 2 × tp = 2, FAMILY_STEPS steps
+FAMILY_STEPS = 4
+
+
+class DenseView:
+    """The model's parameters other than the experts, for helpers.check_sharding (one mesh)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def named_parameters(self):
+        return [(n, p) for n, p in self.model.named_parameters() if ".experts." not in n]
+
+
+def moe_config(model_dir: Path, dp: int, tp: int, ep: int):
+    config = parity_config(model_dir, dp, tp)
+    config.parallel.ep = ep
+    if tp > 1:  # 2 micro-batches of 4 rows per dp rank, not 4 of 2: accumulation at half the DTensor calls
+        config.train.micro_batch_size = 4
+    return config
+
+
+def training_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
+    dp, tp, ep = {**SCENARIOS, **RESUMED}[name]
+    config = moe_config(model_dir, dp, tp, ep)
+    resume = None
+    if name == EXPORTED:
+        config.checkpoint.export_hf, config.checkpoint.export_dtype = True, "fp32"
+    if name == CHECKPOINTED:
+        config.checkpoint.every = SAVED_STEP
+        config.parallel.activation_checkpointing = "full"
+    if name in RESUMED:
+        resume = out / CHECKPOINTED / "checkpoints" / f"step-{SAVED_STEP:08d}"
+    model_config = load_model_config(config.model)
+    shape = check_config(config, dist.get_world_size(), model_config)
+    result = train(config, shape, model_config, device, out / name, resolved={}, resume_from=resume)
+    saved = {"history": result.history}
+    if name == EXPORTED:
+        saved["trained_logits"], saved["hf"] = full_logits(result.model), str(out / name / "hf")
+    one_backward(result.model)
+    check_sharding(DenseView(result.model), result.optimizer, dp, tp)
+    if ep > 1:
+        check_expert_sharding(result.model, result.optimizer, ep, dp // ep, tp)
+    saved["params"] = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+    return saved
+
+
+def packed_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
+    dp, cp, ep = PACKED[name]
+    config = moe_config(model_dir, dp, 1, ep)
+    config.parallel.cp, config.data.packing = cp, True
+    model_config = load_model_config(config.model)
+    shape = check_config(config, dist.get_world_size(), model_config)
+    result = train(config, shape, model_config, device, out / name, resolved={})
+    params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+    return {"history": result.history, "params": params}
+
+
+def family_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
+    config = moe_config(model_dir, 2, 2, 2)
+    config.train.max_steps = FAMILY_STEPS
+    model_config = load_model_config(config.model)
+    shape = check_config(config, dist.get_world_size(), model_config)
+    result = train(config, shape, model_config, device, out / name, resolved={})
+    params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+    return {"history": result.history, "params": params}
+
+
+def dispatch_gradients(model_dir: Path, device: torch.device) -> dict:
+    """ep = 4, the loaded model: rank r runs row r of helpers.dispatch_rows() (summed next-token loss,
+    no aux loss), as is and with rank 0's row changed; the full expert gradients of both."""
+    model = sharded_model(moe_config(model_dir, 4, 1, 4), device)
+    rank, positions = dist.get_rank(), torch.arange(MAX_LEN)[None]
+    grads = []
+    for rows in dispatch_rows():
+        row = rows[rank : rank + 1]
+        logits = model(
+            input_ids=row, position_ids=positions, use_cache=False, output_router_logits=False
+        ).logits
+        F.cross_entropy(logits[0, :-1], row[0, 1:], reduction="sum").backward()
+        grads.append(
+            {canonical_name(n): p.grad.full_tensor() for n, p in model.named_parameters() if ".experts." in n}
+        )
+        model.zero_grad(set_to_none=True)
+    return {"grads": grads}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--model-without-aux", type=Path, required=True)
+    parser.add_argument("--families", type=Path, required=True, help="a folder per MOE_FAMILIES type")
+    args = parser.parse_args()
+    device = init_distributed(timeout_s=300)
+    results = {name: training_run(args.model, args.out, name, device) for name in {**SCENARIOS, **RESUMED}}
+    results |= {name: packed_run(args.model_without_aux, args.out, name, device) for name in PACKED}
+    for family in sorted(path.name for path in args.families.iterdir()):
+        results[family] = family_run(args.families / family, args.out, family, device)
+    results["dispatch"] = dispatch_gradients(args.model, device)
+    save_results(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
