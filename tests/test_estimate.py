@@ -334,26 +334,19 @@ def test_auto_loss_picks_fused_where_exact_and_dense_elsewhere(runs):
 def test_auto_loss_keeps_the_embedded_default_loss_curve(tmp_path):
     """The embedded default (tiny Llama, 2 processes: tp=2) under the new default, auto (fused
     here), against the same run with parallel.loss_impl=dense, the old default: the same losses
-    (1e-5) over 4 steps; config.yaml and the start line say which loss ran."""
-    losses, logs = {}, {}
-    for name, extra in (("auto", []), ("dense", ["parallel.loss_impl=dense"])):
-        run_dir = tmp_path / name
-        args = [
-            "-m",
-            "dtrain.sft",
-            *extra,
-            "train.max_steps=4",
-            "train.log_every=1",
-            f"hydra.run.dir={run_dir}",
-        ]
-        result = torchrun(2, *args, timeout=600)
-        assert result.returncode == 0, result.stdout[-4000:]
+    (1e-5) over 4 steps; config.yaml and the start line say which loss ran. Both are jobs of one
+    sweep (one launch, one process group: job 0 auto, job 1 dense)."""
+    args = ["-m", "dtrain.sft", "--multirun", "parallel.loss_impl=auto,dense", "train.max_steps=4"]
+    result = torchrun(2, *args, "train.log_every=1", f"hydra.sweep.dir={tmp_path}", timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:]
+    losses = {}
+    for job, (name, ran) in enumerate((("auto", "fused"), ("dense", "dense"))):
+        run_dir = tmp_path / str(job)
+        assert f"loss_impl: {ran}" in (run_dir / "config.yaml").read_text()
         losses[name] = [record["loss"] for record in read_metrics(run_dir)]
-        logs[name] = result.stdout
-        assert f"loss_impl: {'fused' if name == 'auto' else 'dense'}" in (run_dir / "config.yaml").read_text()
     assert len(losses["auto"]) == 4
     assert losses["auto"] == pytest.approx(losses["dense"], rel=1e-5)
-    assert "| loss fused" in logs["auto"] and "| loss dense" in logs["dense"]
+    assert 0 <= result.stdout.index("| loss fused") < result.stdout.index("| loss dense")
 
 
 @pytest.mark.slow
