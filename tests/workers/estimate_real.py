@@ -59,7 +59,7 @@ class StorageCounter(TorchDispatchMode):
     no FSDP or module bookkeeping, nothing of the planner's tracker). Every plain tensor an operator
     returns registers its storage (views and in-place results share one); a storage counts until
     its last reference is gone, on whatever thread (StorageWeakRef.expired). Starts from `alive`:
-    the tensors that exist before the step (parameters, buffers, optimizer state).
+    the tensors that exist before the step (parameters, buffers, optimizer state, the step's inputs).
 
     A DTensor operator is handed back (NotImplemented) so that DTensor runs it and this mode sees the
     plain operators it runs on the local shards: loss_parallel's cross-entropy makes its temporaries
@@ -88,8 +88,8 @@ class StorageCounter(TorchDispatchMode):
             self.total += nbytes - known[1]
 
     def _add_plain(self, tensor: torch.Tensor) -> None:
-        """Another tensor subclass (funcol's AsyncCollectiveTensor) runs its own operators with this
-        mode off: count the plain tensors it wraps (__tensor_flatten__)."""
+        """The plain tensors a subclass wraps (__tensor_flatten__): a DTensor's local shard among
+        `alive`; funcol's AsyncCollectiveTensor, which runs its own operators with this mode off."""
         if type(tensor) is torch.Tensor:
             self._add(tensor)
             return
