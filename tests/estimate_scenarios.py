@@ -1,7 +1,10 @@
 """The small experiments the planner is checked against a real gloo run on (4 ranks): the embedded
 default (tiny Llama, shipped data) with accumulation, with and without activation checkpointing, with
-the fused loss, and with context parallel on packed rows. The same overrides go to the planner and
-to the real run; each names its loss (`parallel.loss_impl`), so a change of the default changes none.
+the fused loss, with a large vocabulary, with context parallel on packed rows, and LoRA on a frozen
+bf16 base in a bf16 run. The same overrides go to the planner and to the real run; each names its
+loss (`parallel.loss_impl`), so a change of the default changes none. One scenario accumulates 4
+micro-batches (the planner tracks 2 of any accumulation: this checks that two stand for more); the
+others 2, which is all the planner runs, to keep the real run short.
 
 `python -m tests.estimate_scenarios [NAME ...]` prints, by name, the planner's JSON (as `python -m
 dtrain.estimate ... estimate.format=json` does) of each scenario NAME (default: all), planned with the
@@ -22,7 +25,13 @@ SCENARIOS = {
         "train.micro_batch_size=4",
         "parallel.loss_impl=dense",
     ],
-    "tp4_plain": [*_COMMON, "parallel.tp=4", "train.micro_batch_size=8", "parallel.loss_impl=dense"],
+    "tp4_plain": [
+        *_COMMON,
+        "parallel.tp=4",
+        "train.micro_batch_size=8",
+        "train.global_batch_size=16",
+        "parallel.loss_impl=dense",
+    ],
     "tp2_fused": [
         *_COMMON,
         "parallel.tp=2",
@@ -45,6 +54,18 @@ SCENARIOS = {
         "parallel.tp=2",
         "data.packing=true",
         "train.micro_batch_size=8",
+        "train.global_batch_size=16",
+        "parallel.loss_impl=dense",
+    ],
+    # LoRA (rank 8 on every projection): the base frozen (no gradients, no AdamW state) and kept in
+    # bf16, the adapters fp32, FSDP gathering bf16 (train.precision=bf16 runs on a CPU too)
+    "lora_bf16_tp2": [
+        *_COMMON,
+        "parallel.tp=2",
+        "train.micro_batch_size=8",
+        "train.precision=bf16",
+        "lora.r=8",
+        "lora.base_dtype=bf16",
         "parallel.loss_impl=dense",
     ],
 }

@@ -4,8 +4,9 @@
   sharded tensors of a real 4-process gloo run of the same experiment on the same mesh, exactly;
 - peak: within 10 % of the most bytes of live tensor storages a real step held, counted by the
   worker's own StorageCounter (no code of the planner's tracker; the real step runs every
-  micro-batch, the planner two), dense, fused and context parallel on packed rows; a plan without
-  its optimizer state would miss by more than 10 %;
+  micro-batch, the planner two), dense, fused, a large vocabulary, context parallel on packed rows
+  and LoRA on a frozen bf16 base; a plan without its optimizer state (full fine-tuning) or, with
+  the large vocabulary, without its logits would miss by more than 10 %;
 - the CLI: a table (tiny model), and the seed's JSON (+experiment=llama3_8b_seed: Llama-3-8B, tp=4
   on 4 ranks) whose figures agree with the sharding (total / world), and whose DeepSpeed layouts,
   summed from their buffers, give what the issue derived from DeepSpeed's code: 20 bytes per local
@@ -141,10 +142,12 @@ def test_model_state_equals_the_real_sharded_tensors(runs, name):
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_peak_within_10_percent_of_an_independent_count(runs, name):
     """The planned peak against the live storages of a real step (StorageCounter in the worker:
-    every operator's outputs, freed when their last reference goes). A plan that dropped the AdamW
-    state would be off by more than 10 %, and so, in the large-vocabulary scenario, would a plan that
-    dropped the logits and the loss's temporaries on them (at the other tiny shapes the logits are
-    about 1 % of the peak)."""
+    every operator's outputs on the local shards, freed when their last reference goes). A plan that
+    dropped the AdamW state would be off by more than 10 % (full fine-tuning), and so, in the
+    large-vocabulary scenario, would a plan that dropped the logits and the loss's temporaries on
+    them (at the other tiny shapes the logits are at most 3 % of the peak). LoRA's AdamW state is that
+    of the adapters alone: the model-state test above holds its frozen base to no gradient and no
+    state, byte for byte."""
     planned = json.loads(runs["plans"])[name]
     per_rank = planned["per_rank"]
     counted = runs["real"][name]["counted"]
@@ -153,18 +156,13 @@ def test_peak_within_10_percent_of_an_independent_count(runs, name):
         == planned["experiment"]["accumulation"]
         >= per_rank["micro_batches"]  # the real step runs all micro-batches, the plan at most two
     )
+    assert per_rank["peak"] == pytest.approx(counted, rel=0.10)
     if name == "tp2_large_vocab":
-        # Measured 1.160: in the loss phase (dense cross-entropy on 8,192-wide logit shards) the plan
-        # holds about 2.5 logits' worth more than the live storages counted; the cause is open
-        # (docs/estimate.md). The plan errs on the safe side here, by at most 20 %, and one without the
-        # logits and the loss's temporaries on them (0.72 of the count) would fall short.
         assert per_rank["peak_phase"].startswith("loss"), per_rank["peak_phase"]
-        assert counted <= per_rank["peak"] <= 1.20 * counted
         without_logits = per_rank["peak"] - per_rank["logits"] - per_rank["at_peak"]["temporaries"]
         assert without_logits < 0.90 * counted
-    else:
-        assert per_rank["peak"] == pytest.approx(counted, rel=0.10)
-        assert per_rank["peak"] - per_rank["optimizer"] != pytest.approx(counted, rel=0.10)
+    if not name.startswith("lora"):
+        assert per_rank["peak"] - per_rank["optimizer"] < 0.90 * counted
 
 
 @pytest.mark.slow
@@ -337,26 +335,19 @@ def test_auto_loss_picks_fused_where_exact_and_dense_elsewhere(runs):
 def test_auto_loss_keeps_the_embedded_default_loss_curve(tmp_path):
     """The embedded default (tiny Llama, 2 processes: tp=2) under the new default, auto (fused
     here), against the same run with parallel.loss_impl=dense, the old default: the same losses
-    (1e-5) over 4 steps; config.yaml and the start line say which loss ran."""
-    losses, logs = {}, {}
-    for name, extra in (("auto", []), ("dense", ["parallel.loss_impl=dense"])):
-        run_dir = tmp_path / name
-        args = [
-            "-m",
-            "dtrain.sft",
-            *extra,
-            "train.max_steps=4",
-            "train.log_every=1",
-            f"hydra.run.dir={run_dir}",
-        ]
-        result = torchrun(2, *args, timeout=600)
-        assert result.returncode == 0, result.stdout[-4000:]
+    (1e-5) over 4 steps; config.yaml and the start line say which loss ran. Both are jobs of one
+    sweep (one launch, one process group: job 0 auto, job 1 dense)."""
+    args = ["-m", "dtrain.sft", "--multirun", "parallel.loss_impl=auto,dense", "train.max_steps=4"]
+    result = torchrun(2, *args, "train.log_every=1", f"hydra.sweep.dir={tmp_path}", timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:]
+    losses = {}
+    for job, (name, ran) in enumerate((("auto", "fused"), ("dense", "dense"))):
+        run_dir = tmp_path / str(job)
+        assert f"loss_impl: {ran}" in (run_dir / "config.yaml").read_text()
         losses[name] = [record["loss"] for record in read_metrics(run_dir)]
-        logs[name] = result.stdout
-        assert f"loss_impl: {'fused' if name == 'auto' else 'dense'}" in (run_dir / "config.yaml").read_text()
     assert len(losses["auto"]) == 4
     assert losses["auto"] == pytest.approx(losses["dense"], rel=1e-5)
-    assert "| loss fused" in logs["auto"] and "| loss dense" in logs["dense"]
+    assert 0 <= result.stdout.index("| loss fused") < result.stdout.index("| loss dense")
 
 
 @pytest.mark.slow
@@ -382,10 +373,12 @@ def test_sft_rejects_estimate_keys(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_script_plans_on_cpu():
-    """bench/gpu_estimate_check.py needs a GPU for its real half; its planning half runs anywhere."""
+    """bench/gpu_estimate_check.py needs a GPU for its real half; its planning half runs anywhere
+    (Llama-3.2-1B's shape, cut to one layer and a short micro-batch: the same code, less CPU)."""
     script = Path(ROOT / "bench" / "gpu_estimate_check.py")
+    small = ["--layers", "1", "--max-len", "256", "--micro-batch-size", "1"]
     result = subprocess.run(
-        [sys.executable, str(script), "--plan-only", "--layers", "2"],
+        [sys.executable, str(script), "--plan-only", *small],
         cwd=ROOT,
         env=ENV,
         capture_output=True,

@@ -146,8 +146,8 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         f"per rank, {unit} (planned: the trainer's step on fake tensors, tracked by FSDPMemTracker, after a "
         "warm-up step)",
         row("model state between steps", _model_state(plan)),
-        row("  sharded parameters (fp32) + buffers", step.params),
-        row("  sharded gradients (fp32)", step.grads),
+        row("  sharded parameters + buffers", step.params),
+        row("  sharded gradients", step.grads),
         row("  AdamW state", step.optimizer),
         f"  at the peak, in the {step.peak_phase}:",
         *(row("  " + AT_PEAK_LABELS[k], value) for k, value in step.at_peak.items()),

@@ -1,15 +1,17 @@
 """Launched by tests/test_estimate.py under torchrun (gloo, real tensors): the planner's scenarios
-for real. For each, the trainer's mesh, model and optimizer, one warm-up step on real data (each
-rank's part of it: with context parallel its tokens of every row, as the trainer takes them), one
-full step (every micro-batch of it) under an independent storage counter, then one more under the
-same FSDPMemTracker the planner uses.
+for real. For each, the trainer's mesh, model and optimizer, a warm-up (one micro-batch and an
+optimizer step, as the planner does: AdamW's states exist from then on), then one full step (every
+micro-batch of it, on real data; with context parallel each rank's tokens of every row, as the
+trainer takes them) under an independent storage counter and, inside it, the same FSDPMemTracker
+the planner uses (both dispatch modes see the same operators; neither changes what the other counts).
 
 Rank 0 writes `<out>/<name>.json`:
 - `counted`: the most bytes of live tensor storages at once in that step (StorageCounter below:
   its own count, nothing of the planner's tracker). torch.profiler's allocator count was tried
   first and is not usable here: gloo's worker threads free collective buffers with profiling off
   on their thread, so c10's running total never takes them off (it read 106 MB where 48 MB were live);
-- `real`: the bytes of the real sharded tensors counted from their storages;
+- `real`: the bytes of the real sharded tensors counted from their storages (the gradients as the
+  optimizer step receives them);
 - `tracked`: the tracker's figures (the planner's own measurement, on real tensors).
 """
 
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._guards import active_fake_mode
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -56,7 +59,14 @@ class StorageCounter(TorchDispatchMode):
     no FSDP or module bookkeeping, nothing of the planner's tracker). Every plain tensor an operator
     returns registers its storage (views and in-place results share one); a storage counts until
     its last reference is gone, on whatever thread (StorageWeakRef.expired). Starts from `alive`:
-    the tensors that exist before the step (parameters, buffers, optimizer state)."""
+    the tensors that exist before the step (parameters, buffers, optimizer state, the step's inputs).
+
+    A DTensor operator is handed back (NotImplemented) so that DTensor runs it and this mode sees the
+    plain operators it runs on the local shards: loss_parallel's cross-entropy makes its temporaries
+    (the shifted logits, their exp, the gradient's zeros, exp and sum: 3 logit shards) inside one
+    DTensor operator, and a mode that ran DTensor operators whole saw only their outputs. DTensor
+    also runs operators on fake tensors, in a fake mode of its own, to work out output shapes: those
+    allocate nothing and are not counted."""
 
     def __init__(self, alive: Iterable[torch.Tensor]) -> None:
         super().__init__()
@@ -78,8 +88,8 @@ class StorageCounter(TorchDispatchMode):
             self.total += nbytes - known[1]
 
     def _add_plain(self, tensor: torch.Tensor) -> None:
-        """A subclass (DTensor) runs its own operators with this mode off: count the plain tensors
-        it wraps (__tensor_flatten__), the storages its output holds."""
+        """The plain tensors a subclass wraps (__tensor_flatten__): a DTensor's local shard among
+        `alive`; funcol's AsyncCollectiveTensor, which runs its own operators with this mode off."""
         if type(tensor) is torch.Tensor:
             self._add(tensor)
             return
@@ -101,7 +111,11 @@ class StorageCounter(TorchDispatchMode):
         return self.total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's)
+        if any(issubclass(kind, DTensor) for kind in types):
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is not None:  # DTensor's shape pass (the real run has no fake mode)
+            return out
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self._add_plain(tensor)
@@ -112,6 +126,10 @@ class StorageCounter(TorchDispatchMode):
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+
+
+def tensors_of(micro_batches: list[dict]) -> list[torch.Tensor]:
+    return [value for mb in micro_batches for value in tree_flatten(mb)[0] if torch.is_tensor(value)]
 
 
 def run(overrides: list[str], device: torch.device) -> dict:
@@ -127,7 +145,7 @@ def run(overrides: list[str], device: torch.device) -> dict:
     train = config.train
     batches = build_data(config.data, train, tokenizer, parallel.dp_rank, parallel.dp_size).train
 
-    def step_batches(step: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    def step_batches() -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
         micro_batches = [local_micro_batch(mb, parallel) for mb in batches.next_step()]  # in order
         tokens = sum((mb["labels"] != IGNORE).sum() for mb in micro_batches).float()
         dist.all_reduce(tokens, group=parallel.token_group)
@@ -136,25 +154,24 @@ def run(overrides: list[str], device: torch.device) -> dict:
     loss_parallel, max_norm = config.parallel.loss_parallel, config.optim.max_grad_norm
     impl, chunk = config.parallel.loss_impl, config.parallel.loss_chunk  # the planner's loss
 
-    def full_step(index: int) -> None:
-        micro_batches, tokens = step_batches(index)
-        for mb in micro_batches:
-            micro_step(model, mb, tokens, loss_parallel, impl, chunk)
-        optimizer_step(optimizer, params, max_norm)
+    # Warm-up, as the planner does: DTensor's first run of each operator, and AdamW's states.
+    warm_up, tokens = step_batches()
+    micro_step(model, warm_up[0], tokens, loss_parallel, impl, chunk)
+    optimizer_step(optimizer, params, max_norm)
 
-    full_step(0)  # warm-up, as the planner does
-    alive = [*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer)]
+    grads: list[int] = []  # the gradients' storages as the optimizer step receives them (LoRA: adapters')
+    trained = [p for p in params if p.requires_grad]
+    hook = optimizer.register_step_pre_hook(lambda *_: grads.append(storage_bytes(p.grad for p in trained)))
+    micro_batches, tokens = step_batches()
+    alive = [*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer), *tensors_of(micro_batches)]
     with StorageCounter(alive) as counter:
-        full_step(1)
-    micro_batches, tokens = step_batches(2)
-    tracked = track_step(
-        model, optimizer, micro_batches, tokens, loss_parallel, max_norm, loss_impl=impl, loss_chunk=chunk
-    )
-
-    micro_step(model, micro_batches[0], tokens, loss_parallel, impl, chunk)  # gradients to count
+        tracked = track_step(
+            model, optimizer, micro_batches, tokens, loss_parallel, max_norm, loss_impl=impl, loss_chunk=chunk
+        )
+    hook.remove()
     real = {
         "params": storage_bytes([*model.parameters(), *model.buffers()]),
-        "grads": storage_bytes(p.grad for p in params),
+        "grads": grads[0],
         "optimizer": storage_bytes(optimizer_tensors(optimizer)),
     }
     step = asdict(tracked)
@@ -165,10 +182,11 @@ def run(overrides: list[str], device: torch.device) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("names", nargs="*", help="scenarios to run (default: all)")
     args = parser.parse_args()
     device = init_distributed(timeout_s=300)
-    for name, overrides in SCENARIOS.items():
-        result = run(overrides, device)
+    for name in args.names or SCENARIOS:
+        result = run(SCENARIOS[name], device)
         if dist.get_rank() == 0:
             (args.out / f"{name}.json").write_text(json.dumps(result))
     dist.barrier()
