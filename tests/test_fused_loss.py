@@ -1,11 +1,11 @@
 """parallel.loss_impl=fused (dtrain/fused_loss.py): the autograd function's gradients against
 autograd through the dense loss, and dtrain's training against loss_impl=dense over 10 steps, on
-1×1, 1×2, 2×2 and tied 2×2 with a padded vocabulary (tests/workers/fused_runs.py); the CLI; the
-planner's memory figures for the motivating run's head and loss."""
+1×1, 1×2, 2×2 and tied 2×2 with a padded vocabulary (tests/workers/fused_runs.py); the planner's
+memory figures for the motivating run's head and loss. Through the CLI: test_estimate's
+auto-against-dense sweep (auto is fused for the embedded default) and test_cli's refusal of an
+unknown loss_impl."""
 
 from __future__ import annotations
-
-import sys
 
 import pytest
 
@@ -14,7 +14,7 @@ from dtrain.config import ConfigError
 from dtrain.estimate.app import compose
 from dtrain.estimate.planner import plan
 from dtrain.model import load_model_config
-from tests.helpers import parity_config, read_metrics, run, torchrun, worker
+from tests.helpers import parity_config, torchrun, worker
 
 WORKER = worker("fused_runs")
 # The memory constant (docs/estimate.md): the loss's temporaries are at most this many fp32 logits
@@ -28,29 +28,6 @@ def test_fused_loss_matches_the_dense_loss(tmp_path, nproc):
     done = tmp_path / "done"
     result = torchrun(nproc, *WORKER, "--done", str(done), timeout=400)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
-
-
-@pytest.mark.slow
-def test_cli_trains_with_the_fused_loss_as_with_the_dense_one(tmp_path):
-    losses = {}
-    for impl in ("dense", "fused"):
-        run_dir = tmp_path / impl
-        args = ["-m", "dtrain.sft", f"parallel.loss_impl={impl}", "parallel.loss_chunk=8"]
-        args += ["train.max_steps=2", "train.log_every=1", "train.precision=fp32", f"hydra.run.dir={run_dir}"]
-        result = torchrun(2, *args, timeout=300)
-        assert result.returncode == 0, result.stdout[-4000:]
-        losses[impl] = [record["loss"] for record in read_metrics(run_dir)]
-    assert losses["fused"] == pytest.approx(losses["dense"], rel=1e-5)
-
-
-@pytest.mark.slow
-def test_cli_refuses_an_unknown_loss_impl(tmp_path):
-    command = [sys.executable, "-m", "dtrain.sft", "parallel.loss_impl=sparse", "parallel.tp=1"]
-    command += [f"hydra.run.dir={tmp_path}"]
-    result = run(command, timeout=120)
-    assert result.returncode == 2, result.stdout[-3000:]
-    errors = [line for line in result.stdout.splitlines() if line.startswith("dtrain: error:")]
-    assert len(errors) == 1 and "parallel.loss_impl='sparse'" in errors[0], result.stdout[-3000:]
 
 
 @pytest.mark.parametrize("impl", ["chunked", "fused"])

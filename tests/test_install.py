@@ -53,21 +53,17 @@ def test_the_installed_package_is_the_wheel(installed, tmp_path):
     assert str(installed.parents[1]) in result.stdout and str(ROOT) not in result.stdout
 
 
-def test_training_and_planning_from_another_directory(installed, tmp_path):
-    train = [str(installed), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    result = run([*train, "-m", "dtrain.sft", "train.max_steps=2", "hydra.run.dir=run"], cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-4000:]
-    assert read_metrics(tmp_path / "run")[-1]["step"] == 2
-    plan = run([str(installed), "-m", "dtrain.estimate", "estimate.world_size=2"], cwd=tmp_path)
-    assert plan.returncode == 0 and "peak" in plan.stdout, plan.stdout[-4000:]
-
-
-def test_config_dir_adds_a_users_experiment(installed, tmp_path):
+def test_training_with_a_users_experiment_and_planning_from_another_directory(installed, tmp_path):
+    """Two ranks train from outside the repo, the run's settings from the user's own experiment
+    (`--config-dir`, beside the packaged ones); the planner runs there too."""
     mine = tmp_path / "mine" / "experiment"
     mine.mkdir(parents=True)
     (mine / "short.yaml").write_text("# @package _global_\ntrain:\n  max_steps: 1\n  global_batch_size: 8\n")
+    train = [str(installed), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     args = ["-m", "dtrain.sft", "--config-dir", "mine", "+experiment=short", "hydra.run.dir=run"]
-    result = run([str(installed), *args], cwd=tmp_path)
+    result = run([*train, *args], cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-4000:]
-    records = read_metrics(tmp_path / "run")
-    assert [record["step"] for record in records] == [1]
+    assert [record["step"] for record in read_metrics(tmp_path / "run")] == [1]
+    assert "global_batch_size: 8" in (tmp_path / "run" / "config.yaml").read_text()
+    plan = run([str(installed), "-m", "dtrain.estimate", "estimate.world_size=2"], cwd=tmp_path)
+    assert plan.returncode == 0 and "peak" in plan.stdout, plan.stdout[-4000:]

@@ -1,6 +1,7 @@
-"""Observability: a 2×2 CPU run writes every figure to metrics.jsonl and the same losses to an
-offline W&B run (read back from its run file); the start summary; the progress bar on a terminal;
-W&B without credentials; `python -m dtrain.plot` on a sweep folder."""
+"""Observability: the README's ./launch/local.sh (the embedded default, 2×2 on 4 CPU processes)
+trains, writes every figure to metrics.jsonl and the same losses to an offline W&B run (read back
+from its run file); the start summary; the progress bar on a terminal; W&B without credentials;
+`python -m dtrain.plot` on a sweep folder."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import pytest
 
 import dtrain.plot
 from dtrain.sinks import ConsoleSink, wandb_credentials
-from tests.helpers import read_metrics, torchrun, wandb_records
+from tests.helpers import ROOT, read_metrics, run, wandb_records
 
-STEPS, LOG_EVERY = 4, 2
+STEPS, LOG_EVERY = 60, 10  # the embedded default's (dtrain/conf/experiment/embedded.yaml)
 FIGURES = [
     "step",
     "loss",
@@ -37,15 +38,41 @@ CUDA_ONLY = ["mfu", "mem_reserved_gib", "alloc_retries"]  # no peak FLOP/s or ca
 
 
 @pytest.fixture(scope="module")
-def run_2x2(tmp_path_factory) -> Path:
-    """The embedded default on 2×2, W&B asked for online with no credentials anywhere."""
+def launched(tmp_path_factory) -> tuple[Path, str, Path]:
+    """The README's first command, `./launch/local.sh` (the embedded default: tiny Llama, 2×2 on 4
+    processes, 60 steps), with W&B asked for online and no credentials anywhere. (run folder, rank
+    0's console, the other ranks' log folder)"""
     run_dir = tmp_path_factory.mktemp("run")
+    logs = tmp_path_factory.mktemp("rank_logs")
     home = tmp_path_factory.mktemp("home")  # no ~/.netrc
     env = {"HOME": str(home), "WANDB_API_KEY": "", "NETRC": str(home / ".netrc")}
-    args = [f"train.max_steps={STEPS}", f"train.log_every={LOG_EVERY}", "logging.wandb.mode=online"]
-    result = torchrun(4, "-m", "dtrain.sft", *args, f"hydra.run.dir={run_dir}", timeout=300, env=env)
+    env |= {"NPROC": "4", "LOG_DIR": str(logs)}
+    args = ["logging.wandb.mode=online", f"hydra.run.dir={run_dir}"]
+    result = run(["./launch/local.sh", *args], timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-4000:]
-    return run_dir
+    return run_dir, result.stdout, logs
+
+
+@pytest.fixture(scope="module")
+def run_2x2(launched) -> Path:
+    return launched[0]
+
+
+@pytest.mark.slow
+def test_readme_command_trains_the_embedded_default(launched):
+    run_dir, stdout, logs = launched
+    assert "./launch/local.sh\n" in (ROOT / "README.md").read_text()
+    records = read_metrics(run_dir)
+    assert records[-1]["step"] == STEPS
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    config = (run_dir / "config.yaml").read_text()
+    assert "tp: 2" in config and "${" not in config  # resolved
+    assert (run_dir / ".hydra").is_dir()
+    assert (run_dir / "sft.log").read_text().count(f"step {STEPS}/{STEPS}") == 1  # rank 0 alone writes it
+    # Rank 0 keeps the console; ranks 1-3 write their own files, quiet unless something is wrong.
+    assert f"step {STEPS}/{STEPS}" in stdout
+    rank_dirs = sorted(path.parent.name for path in logs.glob("*/attempt_0/*/stderr.log"))
+    assert rank_dirs == ["1", "2", "3"]
 
 
 @pytest.mark.slow

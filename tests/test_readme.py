@@ -21,9 +21,9 @@ from tests.helpers import ROOT, read_metrics, run, save_user_model, write_user_d
 
 # Commands another test already runs as typed (so this file does not pay for them twice):
 COVERED_ELSEWHERE = {
-    "./launch/local.sh",  # test_cli.py
+    "./launch/local.sh",  # test_metrics.py
     "./scripts/test.sh",  # CI itself
-    # test_cli.py's ./launch/local.sh is this torchrun of the embedded default at NPROC=4
+    # test_metrics.py's ./launch/local.sh is this torchrun of the embedded default at NPROC=4
     "torchrun --nproc_per_node=4 -m dtrain.sft",
     # test_estimate.py plans this Llama-3-8B experiment through the same CLI (its JSON output)
     "python -m dtrain.estimate +experiment=llama3_tp4 estimate.world_size=4",
@@ -38,7 +38,10 @@ EXPERIMENT_ON_FIXTURE = (
 SUBSTITUTIONS = [
     ("/path/to/hf_folder", "{model}"),  # the user's folder: the fixture
     ("data.path=my.jsonl", "data.path={data}"),  # the user's data: the fixture
-    ("--nproc_per_node=8", "--nproc_per_node=4"),  # 2 cores: 4 processes at most
+    # 2 cores: half the processes (before 8 -> 4): the 4-process commands' tp is 2 at most, the
+    # 8-process ones' 4; test_metrics runs the embedded default on 4 (./launch/local.sh)
+    ("--nproc_per_node=4", "--nproc_per_node=2"),
+    ("--nproc_per_node=8", "--nproc_per_node=4"),
     ("step-00000040", "step-00000002"),  # the step TINY_RUN's final save writes
 ]
 

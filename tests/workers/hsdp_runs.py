@@ -35,6 +35,8 @@ UNPLANNED = "extra_proj"  # tests/test_hsdp.py looks for this name in the error
 def hsdp_config(model_dir: Path, replicate: int, shard: int, tp: int, out: Path, name: str):
     config = parity_config(model_dir, shard, tp)
     config.parallel.dp_replicate = replicate
+    train = config.train  # dp = 8 (2 × 4) takes micro-batches of 2 rows: 16 rows a step
+    train.micro_batch_size = min(train.micro_batch_size, train.global_batch_size // (replicate * shard))
     config.checkpoint.every = 4
     config.checkpoint.dir = str(out / name / "checkpoints")
     return config
