@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dtrain.checks import check_config
 from dtrain.config import ConfigError
+from dtrain.estimate import planner
 from tests import reference
 from tests.helpers import (
     DATASET,
@@ -44,7 +45,8 @@ from tests.test_parity import (
     reference_cache_dir,
     reference_run,
 )
-from tests.workers.moe_runs import FAMILY_STEPS
+from tests.workers.moe_runs import FAMILY_STEPS, moe_config
+from tests.workers.moe_runs import SCENARIOS as MESHES
 
 SCENARIOS = ["ep4", "ep2_tp2", "ep2_dp2"]
 # Expert weights whose tolerance is wider than RTOL·lr·steps, per run, measured like test_parity's
@@ -208,6 +210,24 @@ def test_export_loads_in_transformers_with_the_trained_logits(runs):
     with torch.no_grad():
         logits = model(input_ids=fixed_batch(), output_router_logits=False).logits
     assert_logits_close(logits, run["trained_logits"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ep2_dp2", "ep4"])
+def test_planned_model_state_is_the_real_runs_byte_for_byte(runs, model_dir, name):
+    """dtrain.estimate on the same config and world (fake tensors, a fake process group of 4): its
+    sharded parameters + buffers, gradients and AdamW states per rank equal, byte for byte, what the
+    real gloo run's tensors hold on every rank (counted by the worker from their storages, nothing
+    of the planner's), and each rank holds 1/(ep × efsdp) of the expert weights. The reference is
+    dtrain's real run on purpose: the planner predicts dtrain's own sharding, which the tests above
+    check against HF (and check_expert_sharding checks shard by shard)."""
+    dp, tp, ep = MESHES[name]
+    plan = planner.plan(moe_config(model_dir, dp, tp, ep), 4, attention_backend="sdpa")
+    planned = {"params": plan.step.params, "grads": plan.step.grads, "optimizer": plan.step.optimizer}
+    for rank, real in enumerate(runs[name]["state_bytes"]):
+        assert real == planned, f"{name}: rank {rank}"
+    experts = plan.layers["experts"]
+    assert experts["local"] * dp == experts["total"], name  # ep × efsdp = dp_shard ranks
 
 
 def moe_model_config():
