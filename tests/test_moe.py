@@ -250,7 +250,7 @@ def moe_model_config():
 def test_bad_expert_parallel_configs_fail_before_launch(model_type, world, overrides, message):
     config = parity_config(Path("/nonexistent"), 1, 1)
     config.data.path = str(DATASET)
-    config.train.global_batch_size = 24  # divisible by micro batch × dp on every mesh here
+    config.train.global_batch_size = 48  # divisible by micro batch (4) × dp on every mesh here
     for key, value in overrides.items():
         setattr(config.parallel, key, value)
     model_config = {
