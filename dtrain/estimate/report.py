@@ -165,7 +165,7 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         f"{v['headroom_bytes'] / GIB:.2f} GiB ({v['headroom_fraction']:.0%})",
         "  (not counted: CUDA context, NCCL buffers, allocator fragmentation)",
         "",
-        f"{' and '.join(plan.layers)} weights, {unit}: "
+        f"{', '.join([*plan.layers][:-1])} and {[*plan.layers][-1]} weights, {unit}: "
         + ", ".join(
             f"{name} {num(b['local']).strip()} per rank of {num(b['total']).strip()}"
             for name, b in plan.layers.items()
