@@ -19,6 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dtrain.checks import check_config
 from dtrain.config import ConfigError
+from dtrain.estimate import planner
+from dtrain.estimate.app import compose
+from dtrain.model import load_model_config
 from tests import reference
 from tests.helpers import (
     DATASET,
@@ -44,7 +47,8 @@ from tests.test_parity import (
     reference_cache_dir,
     reference_run,
 )
-from tests.workers.moe_runs import FAMILY_STEPS
+from tests.workers.moe_runs import FAMILY_STEPS, moe_config
+from tests.workers.moe_runs import SCENARIOS as MESHES
 
 SCENARIOS = ["ep4", "ep2_tp2", "ep2_dp2"]
 # Expert weights whose tolerance is wider than RTOL·lr·steps, per run, measured like test_parity's
@@ -210,6 +214,40 @@ def test_export_loads_in_transformers_with_the_trained_logits(runs):
     assert_logits_close(logits, run["trained_logits"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ep2_dp2", "ep4"])
+def test_planned_model_state_is_the_real_runs_byte_for_byte(runs, model_dir, name):
+    """dtrain.estimate on the same config and world (fake tensors, a fake process group of 4): its
+    sharded parameters + buffers, gradients and AdamW states per rank equal, byte for byte, what the
+    real gloo run's tensors hold on every rank (counted by the worker from their storages, nothing
+    of the planner's), and each rank holds 1/(ep × efsdp) of the expert weights. The reference is
+    dtrain's real run on purpose: the planner predicts dtrain's own sharding, which the tests above
+    check against HF (and check_expert_sharding checks shard by shard)."""
+    dp, tp, ep = MESHES[name]
+    plan = planner.plan(moe_config(model_dir, dp, tp, ep), 4, attention_backend="sdpa")
+    planned = {"params": plan.step.params, "grads": plan.step.grads, "optimizer": plan.step.optimizer}
+    for rank, real in enumerate(runs[name]["state_bytes"]):
+        assert real == planned, f"{name}: rank {rank}"
+    experts = plan.layers["experts"]
+    assert experts["local"] * dp == experts["total"], name  # ep × efsdp = dp_shard ranks
+
+
+def test_qwen3_30b_a3b_experiment_plans_the_shipped_architecture():
+    """The experiment resolves offline to the architecture dtrain ships (written by hand from Qwen's
+    config.json), at ep = 8; transformers builds it (meta device) with the model card's figures:
+    30.5 B parameters in total, 3.3 B activated per token (8 of 128 experts)."""
+    config = compose(["+experiment=qwen3_moe_30b_a3b_ep8", "estimate.world_size=8"])
+    assert config.parallel.ep == 8
+    model_config = load_model_config(config.model, offline=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    active = total - experts + experts * model_config.num_experts_per_tok // model_config.num_experts
+    # the card's figures, as written (to the digit shown): 30.53 B and 3.35 B here
+    assert 30.5e9 <= total < 30.6e9 and 3.3e9 <= active < 3.4e9, (total, active)
+
+
 def moe_model_config():
     return AutoConfig.for_model("qwen3_moe", **{**TINY, **TINY_MOE})
 
@@ -230,7 +268,7 @@ def moe_model_config():
 def test_bad_expert_parallel_configs_fail_before_launch(model_type, world, overrides, message):
     config = parity_config(Path("/nonexistent"), 1, 1)
     config.data.path = str(DATASET)
-    config.train.global_batch_size = 24  # divisible by micro batch × dp on every mesh here
+    config.train.global_batch_size = 48  # divisible by micro batch (4) × dp on every mesh here
     for key, value in overrides.items():
         setattr(config.parallel, key, value)
     model_config = {

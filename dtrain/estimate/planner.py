@@ -33,6 +33,7 @@ from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked
 from dtrain.model import allocate, build_meta_model, build_model, load_model_config
 from dtrain.optim import build_optimizer
 from dtrain.parallel.context import shard_sequence
+from dtrain.parallel.experts import experts_modules
 from dtrain.step import micro_step, optimizer_step
 
 CPU = torch.device("cpu")
@@ -116,7 +117,17 @@ def _layer_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
             "local": weight.to_local().untyped_storage().nbytes(),
             "total": weight.numel() * weight.element_size(),
         }
-    return out
+    return out | _expert_bytes(model)
+
+
+def _expert_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
+    """A mixture-of-experts model's stacked expert weights, all layers: this rank's bytes (split over
+    ep and efsdp) and all; {} for a dense model."""
+    params = [p for _, module in experts_modules(model) for p in module.parameters(recurse=False)]
+    if not params:
+        return {}
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).untyped_storage().nbytes() for p in params)
+    return {"experts": {"local": local, "total": sum(p.numel() * p.element_size() for p in params)}}
 
 
 def plan(config: Config, world_size: int, attention_backend: str = CUDA_ATTENTION) -> Plan:
@@ -226,8 +237,9 @@ def suggest(
 ) -> list[Suggestion]:
     """What would fit in `budget` bytes, each lever on its own and each candidate planned in full:
     activation checkpointing, smaller micro batches, more tp, more cp (long rows: each rank holds a
-    cp-th of every row's tokens). Per lever the first candidate that fits is kept, else the last one
-    tried (so the report says how far it gets)."""
+    cp-th of every row's tokens), more ep (each rank holds an ep-th of a mixture's experts). Per lever
+    the first candidate that fits is kept, else the last one tried (so the report says how far it
+    gets)."""
     levers: list[list[tuple[str, Config]]] = []
     if config.parallel.activation_checkpointing == "none":
         full = _variant(config, parallel={"activation_checkpointing": "full"})
@@ -241,6 +253,7 @@ def suggest(
     levers.append(candidates)
     levers.append(_doubling(config, world_size, "tp"))
     levers.append(_doubling(config, world_size, "cp"))
+    levers.append(_doubling(config, world_size, "ep"))  # a dense model: check_config ends it at once
 
     suggestions = []
     for candidates in levers:

@@ -8,6 +8,7 @@ from typing import Any
 
 from dtrain.estimate.deepspeed import Layout, layouts
 from dtrain.estimate.planner import Plan, Suggestion
+from dtrain.parallel.experts import PLAN_IMBALANCE
 
 GIB = 2**30
 AT_PEAK_LABELS = {
@@ -92,6 +93,7 @@ def to_json(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], to
             "num_params": plan.num_params,
             "world_size": plan.shape.world,
             "mesh": plan.shape.degrees(),
+            "ep": plan.shape.ep,  # splits dp_shard × cp for the experts (docs/moe.md)
             "micro_batch_size": plan.micro_batch_size,
             "max_len": plan.max_len,
             "precision": plan.precision,
@@ -135,6 +137,7 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         for axis, degree in shape.degrees().items()
         if degree > 1 or axis in ("dp_shard", "tp")
     )
+    axes += f" (ep {shape.ep}, dispatch planned at {PLAN_IMBALANCE:g} × balanced)" if shape.ep > 1 else ""
     lines = [
         f"dtrain plan: {plan.model_type}, {plan.num_params / 1e9:.3g} B parameters | world "
         f"{shape.world} = {axes} | micro batch "
@@ -162,7 +165,7 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         f"{v['headroom_bytes'] / GIB:.2f} GiB ({v['headroom_fraction']:.0%})",
         "  (not counted: CUDA context, NCCL buffers, allocator fragmentation)",
         "",
-        f"embedding and lm_head weights, {unit}: "
+        f"{', '.join([*plan.layers][:-1])} and {[*plan.layers][-1]} weights, {unit}: "
         + ", ".join(
             f"{name} {num(b['local']).strip()} per rank of {num(b['total']).strip()}"
             for name, b in plan.layers.items()

@@ -21,6 +21,7 @@ own tokens: their gradients are partial sums over tp, which FSDP reduces (Partia
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +54,11 @@ EXPERTS = "dtrain_experts"
 # model_type → the config key of the expert count. Families whose experts transformers stacks as
 # gate_up_proj [E, 2I, H] and down_proj [E, H, I], without biases.
 STACKED_EXPERTS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "olmoe": "num_experts"}
+# The routing dtrain.estimate plans at ep > 1 (docs/estimate.md): the busiest ep rank receives this
+# many times the mean (token, expert) rows; 1.0 is perfect balance. Fine-tuning with the aux loss
+# keeps the per-layer expert load (metrics.jsonl's expert_load) mostly under it; a run's logged
+# expert_load bounds its per-rank imbalance from above (a rank holds E/ep experts).
+PLAN_IMBALANCE = 1.5
 # Set on each experts module by `shard_experts`: the ep mesh its tokens travel over (None: ep = 1).
 EP_MESH = "dtrain_ep_mesh"
 
@@ -126,33 +132,31 @@ def experts_forward(
     experts' outputs out. The (token, expert) pairs in expert order (token order within an expert),
     computed where their expert lives, weighted and summed per token in expert order, as HF's eager
     loop sums them."""
-    if is_fake(top_k_index):
-        raise ConfigError(
-            f"model type {self.config.model_type!r}: the planner does not plan mixture-of-experts models "
-            "yet (how many tokens each expert gets is known only from real data)"
-        )
     top_k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     tokens = order // top_k
-    counts = torch.bincount(flat, minlength=self.num_experts)
     pairs = hidden_states[tokens]
     gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
     mesh = getattr(self, EP_MESH, None)
-    if mesh is None:
-        out = local_experts(self, pairs, counts, gate_up, down)
+    if is_fake(top_k_index):  # dtrain.estimate: the routing is data, which fake tensors do not hold
+        out = planned_experts(self, pairs, gate_up, down, mesh)
+    elif mesh is None:
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        out = local_experts(self, pairs, counts.tolist(), gate_up, down)
     else:
+        counts = torch.bincount(flat, minlength=self.num_experts)
         out = dispatched_experts(self, pairs, counts, gate_up, down, mesh)
     weighted = out * top_k_weights.reshape(-1)[order, None]
     return torch.zeros_like(hidden_states).index_add_(0, tokens, weighted.to(hidden_states.dtype))
 
 
 def local_experts(
-    module: nn.Module, rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    module: nn.Module, rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
     """Rows grouped by local expert (`counts` rows each, in expert order) through their expert."""
     outs = []
-    for expert, part in enumerate(rows.split(counts.tolist())):
+    for expert, part in enumerate(rows.split(counts)):
         hidden = module._apply_gate(F.linear(part, gate_up[expert]))
         outs.append(F.linear(hidden, down[expert]))
     return torch.cat(outs) if outs else rows
@@ -180,9 +184,35 @@ def dispatched_experts(
     # Received source by source, each in expert order: regroup by expert (source order within it).
     experts = torch.arange(local, device=counts.device).repeat(ranks)
     regroup = torch.argsort(torch.repeat_interleave(experts, received_counts.flatten()), stable=True)
-    out = local_experts(module, rows[regroup], received_counts.sum(0), gate_up, down)
+    out = local_experts(module, rows[regroup], received_counts.sum(0).tolist(), gate_up, down)
     out = out[torch.argsort(regroup)]  # back to source order
     return all_to_all_single_autograd(out, send, receive, mesh)
+
+
+def _even(total: int, parts: int) -> list[int]:
+    """`total` split in `parts` as evenly as integers allow (the first ones one larger)."""
+    return [total // parts + (part < total % parts) for part in range(parts)]
+
+
+def planned_experts(
+    module: nn.Module, pairs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, mesh: DeviceMesh | None
+) -> torch.Tensor:
+    """The planner's path (fake tensors: how many tokens each expert gets is data). The same
+    operations and buffers as the real path under a planned routing: at ep = 1 the (token, expert)
+    pairs split evenly over the experts (their total, hence the activations, is the real one); at
+    ep > 1 this rank receives PLAN_IMBALANCE × the mean rows (what the busiest ep rank receives when
+    routing is that unbalanced), evenly from each source, for its experts evenly, and sends back
+    what it received."""
+    local = gate_up.shape[0]
+    if mesh is None:
+        return local_experts(module, pairs, _even(pairs.shape[0], local), gate_up, down)
+    ranks = mesh.size()
+    send = _even(pairs.shape[0], ranks)
+    receive = _even(math.ceil(PLAN_IMBALANCE * pairs.shape[0]), ranks)
+    rows = all_to_all_single_autograd(pairs, receive, send, mesh)
+    regroup = torch.arange(rows.shape[0], device=rows.device)  # the real path's two permutations
+    out = local_experts(module, rows[regroup], _even(rows.shape[0], local), gate_up, down)
+    return all_to_all_single_autograd(out[regroup], send, receive, mesh)
 
 
 ALL_EXPERTS_FUNCTIONS.register(EXPERTS, experts_forward)

@@ -1,6 +1,7 @@
 """Launched by tests/test_moe.py under torchrun (4 processes): every expert-parallel scenario on one
 process group. Rank 0 saves `<out>/<name>.pt`: each training run's logged history and final full
-parameters, and the expert gradients of the dispatch check; every rank asserts the sharding."""
+parameters, every rank's bytes of model state (counted here from the real tensors' storages, for the
+planner's test), and the expert gradients of the dispatch check; every rank asserts the sharding."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from dtrain.checks import check_config
 from dtrain.distributed import init_distributed
@@ -51,6 +53,29 @@ class DenseView:
         return [(n, p) for n, p in self.model.named_parameters() if ".experts." not in n]
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor: its local shard's storage)."""
+    seen = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, int]]:
+    """Every rank's bytes of sharded parameters + buffers, gradients and AdamW states (gathered)."""
+    mine = {
+        "params": storage_bytes([*model.parameters(), *model.buffers()]),
+        "grads": storage_bytes(p.grad for p in model.parameters() if p.grad is not None),
+        "optimizer": storage_bytes(
+            value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+        ),
+    }
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
 def moe_config(model_dir: Path, dp: int, tp: int, ep: int):
     config = parity_config(model_dir, dp, tp)
     config.parallel.ep = ep
@@ -77,6 +102,7 @@ def training_run(model_dir: Path, out: Path, name: str, device: torch.device) ->
     if name == EXPORTED:
         saved["trained_logits"], saved["hf"] = full_logits(result.model), str(out / name / "hf")
     one_backward(result.model)
+    saved["state_bytes"] = state_bytes(result.model, result.optimizer)
     check_sharding(DenseView(result.model), result.optimizer, dp, tp)
     if ep > 1:
         check_expert_sharding(result.model, result.optimizer, ep, dp // ep, tp)
