@@ -19,6 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
+from dtrain.metrics import flops_per_token
 from tests import reference
 from tests.helpers import chat_rows, read_metrics, run, save_user_model, torchrun, user_rows, worker
 from tests.workers.lora_runs import ALPHA, GLOBAL_BATCH, LR, MAX_LEN, SCENARIOS, STEPS, R, logit_ids
@@ -284,6 +285,34 @@ def test_bf16_keeps_a_bf16_base_and_fp32_adapters_and_tracks_fp32(lora_runs):
         assert dtype == expected, name
     fp32 = [h["loss"] for h in lora_runs["1x1"]["history"]]
     assert [h["loss"] for h in saved["history"]] == pytest.approx(fp32, rel=2e-2)
+
+
+def test_compiled_scenario_compiled_its_layers(lora_runs):
+    """4x1 runs with parallel.compile=true: its parity above is that of compiled layers."""
+    compiled = [name for name, scenario in SCENARIO.items() if scenario[4].get("parallel.compile")]
+    assert compiled and all(lora_runs[name]["graphs"] >= 1 for name in compiled)
+
+
+def test_flops_per_token_counts_no_weight_gradients_for_the_frozen_base(models):
+    """dtrain's FLOPs a token (MFU's numerator) against a hand count over PEFT's model of the same
+    Llama: 2 a multiply-accumulate of every Linear (the base's, lm_head's, the adapters') in the
+    forward, 2 again for the activation gradients, 2 for the weight gradients of the adapters only,
+    and attention's 12·L·d·S; the convention also counts the norms' weights like a Linear's (4 each:
+    forward and activation gradient, frozen)."""
+    base = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+    config = base.config
+    model = get_peft_model(base, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS))
+    linears = [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    total = sum(p.numel() for p in model.parameters())
+    attention = 12 * config.num_hidden_layers * config.hidden_size * MAX_LEN
+    hand = 2 * sum(linears) + 2 * sum(linears) + 2 * adapters + attention
+    assert flops_per_token(config, total, MAX_LEN, adapters) == hand + 4 * norms
+    # full training: weight gradients for every Linear too (the embedding, a lookup, has none)
+    full = flops_per_token(config, total, MAX_LEN, total)
+    assert full == 6 * sum(linears) + attention + 6 * norms
+    assert full - flops_per_token(config, total, MAX_LEN, adapters) == 2 * (sum(linears) + norms - adapters)
 
 
 def test_dropout_masks_agree_over_tp_and_the_loss_falls(lora_runs):

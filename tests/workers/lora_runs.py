@@ -156,6 +156,8 @@ def run(name, dp, tp, kind, start, overrides, args, device) -> dict:
     saved["optimizer_states"] = sum(len(state) > 0 for state in result.optimizer.state.values())
     saved["trained_logits"] = logits(result.model)
     saved["run_dir"] = str(run_dir)
+    if config.parallel.compile:  # the graphs compiled: parity held with the layers compiled
+        saved["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if config.lora.dropout > 0:
         saved["masks_agree"] = masks_agree_over_tp(result.model, result.parallel)
     if config.checkpoint.every:  # resume the middle checkpoint at tp = 1 over the same world
