@@ -264,8 +264,9 @@ def test_merged_export_loads_in_transformers_with_the_trained_logits(lora_runs, 
     assert relative_error(logits, saved["trained_logits"]) < RTOL
 
 
-def test_checkpoint_from_2x2_resumes_at_tp1_on_the_uninterrupted_curve(lora_runs):
-    saved = lora_runs["2x2"]
+@pytest.mark.parametrize("name", EXPORTED)
+def test_checkpoint_from_2x2_resumes_at_tp1_on_the_uninterrupted_curve(lora_runs, name):
+    saved = lora_runs[name]
     uninterrupted = {h["step"]: h for h in saved["history"]}
     resumed = saved["resumed_history"]
     assert [h["step"] for h in resumed] == list(range(STEPS // 2 + 1, STEPS + 1))

@@ -47,7 +47,8 @@ SCENARIOS = {
         "2x2": (2, 2, "llama", "init", {**EXPORT, "checkpoint.every": STEPS // 2}),
         "2x2_tied": (2, 2, "tied", "adapter", {}),
         "2x2_qwen3": (2, 2, "qwen3", "adapter", {}),
-        "2x2_phi3": (2, 2, "phi3", "adapter", EXPORT),  # fused qkv_proj / gate_up_proj, split under TP
+        # fused qkv_proj / gate_up_proj split under TP; resumed at tp = 1: the shared A in DCP and FSDP
+        "2x2_phi3": (2, 2, "phi3", "adapter", {**EXPORT, "checkpoint.every": STEPS // 2}),
         "2x2_gemma3": (2, 2, "gemma3", "adapter", {"parallel.activation_checkpointing": "selective"}),
         "2x2_olmo2": (2, 2, "olmo2", "adapter", {"parallel.activation_checkpointing": "full"}),
         "4x1": (4, 1, "llama", "adapter", {"parallel.compile": True}),
