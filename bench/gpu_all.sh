@@ -16,11 +16,16 @@
 #    - gpu_check: bench/gpu_check.py, dtrain 1x1 against the plain loop on the Llama-3.2-1B shape
 #      (eager and compiled, packed and unpacked, dense and fused), last: it is the longest, and a
 #      timeout there leaves the other figures in place.
-#    - (a LoRA 8B row belongs here, as one more `check` line, once LoRA lands.)
+#    - lora: a `torchrun --nproc_per_node=1 -m dtrain.sft +experiment=llama3_8b_lora` of 10 steps
+#      (issue 30): Llama-3-8B's shape from its shipped config.json, random init (no weights are
+#      downloaded), the frozen base in bf16, r=16 on every projection, packed rows of the shipped
+#      dataset at 2048 tokens; its metrics.jsonl gives tokens/s, MFU (forward + activation
+#      gradients over the base, weight gradients for the adapters only) and peak memory. The dry run
+#      trains the embedded tiny Llama with lora.r=16 for 2 steps instead.
 # 3. A short table: each check's status, seconds and figures file ($OUT/summary.txt too).
 #
 # Exit status: 0 when every check passed, 1 otherwise. Per-check limits (seconds) come from
-# T_ESTIMATE, T_SFT, T_TESTS and T_GPU_CHECK; on the GPU the defaults sum to 9 minutes, under one
+# T_ESTIMATE, T_SFT, T_LORA, T_TESTS and T_GPU_CHECK; on the GPU the defaults sum to 9.5 minutes, under one
 # device command; the dry run allows each 5 minutes (a shared CPU is slow, and it times nothing).
 set -uo pipefail
 
@@ -63,7 +68,8 @@ main() {
     echo "dry run: dtrain is already installed in this environment; no pip install"
     DRY_FLAG=(--dry-run)
     SFT_STEPS=2
-    : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_TESTS:=300}" "${T_GPU_CHECK:=300}"
+    : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_LORA:=300}" "${T_TESTS:=300}" "${T_GPU_CHECK:=300}"
+    LORA_RUN=(lora.r=16 train.max_steps=2 parallel.tp=1 train.precision=bf16)
   else
     echo "torch==${TORCH_BEFORE%% *}" >"$OUT/constraints.txt"
     "$PYTHON" -m pip install -q -e "$ROOT" -c "$OUT/constraints.txt" >"$OUT/install.log" 2>&1 || {
@@ -73,6 +79,8 @@ main() {
     }
     DRY_FLAG=()
     SFT_STEPS=20
+    LORA_RUN=(+experiment=llama3_8b_lora model.init=random model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft
+      data.packing=true data.max_len=2048 train.max_steps=10 train.global_batch_size=8)
   fi
   TORCH_AFTER="$("$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
   [ "$TORCH_AFTER" = "$TORCH_BEFORE" ] || {
@@ -88,6 +96,10 @@ main() {
     "train.max_steps=$SFT_STEPS" parallel.tp=1 train.precision=bf16 checkpoint.save_final=false \
     "hydra.run.dir=$OUT/sft"
 
+  check lora "${T_LORA:-60}" "$OUT/lora/metrics.jsonl" \
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.sft \
+    "${LORA_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/lora"
+
   CUDA_ONLY='skipif(not torch.cuda.is_available(), reason="needs a GPU")'
   mapfile -t CUDA_TESTS < <(grep -lF "$CUDA_ONLY" tests/test_*.py 2>/dev/null)
   if [ "${#CUDA_TESTS[@]}" -gt 0 ]; then
@@ -97,7 +109,7 @@ main() {
     ROWS+=("$(printf '%-12s %-10s %6ss  %s' cuda_tests "none" 0 "no test file holds $CUDA_ONLY")")
   fi
 
-  check gpu_check "${T_GPU_CHECK:-270}" "$OUT/gpu_check.json" \
+  check gpu_check "${T_GPU_CHECK:-240}" "$OUT/gpu_check.json" \
     "$PYTHON" bench/gpu_check.py "${DRY_FLAG[@]}" --json "$OUT/gpu_check.json"
 
   {

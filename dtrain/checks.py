@@ -253,12 +253,6 @@ def check_expert_parallel(model_config: Any, shape: MeshShape, parallel: Paralle
         )
 
 
-# Families whose HF modules LoRA cannot adapt under PEFT's names: Phi-3's fused qkv_proj and
-# gate_up_proj are split into parts at build time (dtrain/parallel/fused.py), and PEFT adapts the
-# fused Linear with one A for all parts.
-LORA_UNSUPPORTED = ("phi3",)
-
-
 def check_lora(settings: LoraConfig, model_config: Any, precision: str) -> None:
     """lora.*: values in range, the adapter folder readable, every target module a Linear of the
     decoder layers (read off the model built on the meta device)."""
@@ -275,13 +269,9 @@ def check_lora(settings: LoraConfig, model_config: Any, precision: str) -> None:
     _one_of("lora.base_dtype", settings.base_dtype, ("auto", "bf16", "fp32"))
     if settings.base_dtype == "bf16" and precision != "bf16":
         raise ConfigError("lora.base_dtype=bf16 needs train.precision=bf16 (FSDP gathers one dtype)")
-    if model_config.model_type in LORA_UNSUPPORTED:
-        raise ConfigError(
-            f"lora: model type {model_config.model_type!r} is not supported yet (fused projections)"
-        )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config))
-    lora.check_targets(decoder_layers(model), settings.target_modules)
+    lora.check_targets(model, decoder_layers(model), settings.target_modules)
 
 
 def auto_loss_impl(model_config: Any) -> str:

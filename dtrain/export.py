@@ -24,7 +24,6 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
-from torch.distributed.tensor import DTensor
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, GenerationConfig, PreTrainedTokenizerBase
 
 from dtrain.attention import ATTENTION, CONFIG_KEYS
@@ -65,10 +64,7 @@ def export_adapter(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out: Pa
     """Collective. The adapters gathered whole (they are small) and written by rank 0 as PEFT does."""
     from safetensors.torch import save_file
 
-    tensors = {
-        lora.PEFT_PREFIX + name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu()
-        for name, p in lora.adapter_parameters(model).items()
-    }
+    tensors = lora.peft_tensors(model)
     if dist.get_rank() == 0:
         partial = out.with_name(out.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)

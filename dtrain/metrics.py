@@ -28,11 +28,19 @@ PEAK_BF16_FLOPS = {
 }
 
 
-def flops_per_token(model_config: Any, num_params: int, seq_len: int) -> float:
-    """torchtitan's convention: 6·(N − N_embedding) + 12·L·d·S (attention scores and values)."""
+def flops_per_token(model_config: Any, num_params: int, seq_len: int, trainable: int | None = None) -> float:
+    """The FLOPs a trained token costs, torchtitan's convention: 2·M per multiply-accumulate of the
+    M = N − N_embedding parameters (the embedding is a lookup) in the forward, 2·M again for the
+    backward's activation gradients, 2·M for the weight gradients, plus 12·L·d·S for the attention
+    scores and values (forward and backward: no weights). With frozen parameters (LoRA: `trainable`,
+    the adapters, fewer than `num_params`, which includes them) only the trainable ones get weight
+    gradients: 4·M + 2·trainable + 12·L·d·S. That still counts the activation gradients of the
+    first layer's projections of the (frozen) embedding's output, which autograd skips."""
     embedding = model_config.vocab_size * model_config.hidden_size
     layers, hidden = model_config.num_hidden_layers, model_config.hidden_size
-    return 6 * (num_params - embedding) + 12 * layers * hidden * seq_len
+    matmuls = num_params - embedding
+    weight_grads = matmuls if trainable is None or trainable >= num_params else trainable
+    return 4 * matmuls + 2 * weight_grads + 12 * layers * hidden * seq_len
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -104,7 +104,8 @@ def start_run(
     )
 
     num_params = count_parameters(model)
-    flops = flops_per_token(model_config, num_params, config.data.max_len)
+    trainable = sum(p.numel() for p in trainable_parameters(model))  # LoRA: no base weight gradients
+    flops = flops_per_token(model_config, num_params, config.data.max_len, trainable)
     meter = StepMeter(config.train, config.data.max_len, flops, peak_flops(device), device, progress.step)
     shard_sizes = gather_shard_sizes(model)  # a collective: every rank, before rank 0 logs
     sinks = []

@@ -19,6 +19,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
+from dtrain.metrics import flops_per_token
+from tests import reference
 from tests.helpers import chat_rows, read_metrics, run, save_user_model, torchrun, user_rows, worker
 from tests.workers.lora_runs import ALPHA, GLOBAL_BATCH, LR, MAX_LEN, SCENARIOS, STEPS, R, logit_ids
 
@@ -27,6 +29,15 @@ pytestmark = pytest.mark.slow
 RTOL = 1e-5
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ROWS = STEPS * GLOBAL_BATCH
+# Gemma 3's quirks at the user model's size: tied head, scaled embedding, query_pre_attn_scalar,
+# sliding and full layers with their own rotary bases
+GEMMA3 = dict(
+    head_dim=16,
+    query_pre_attn_scalar=32,
+    sliding_window=8,
+    tie_word_embeddings=True,
+    layer_types=["sliding_attention", "full_attention"],
+)
 
 
 def write_rows(path: Path) -> Path:
@@ -35,9 +46,11 @@ def write_rows(path: Path) -> Path:
 
 
 def save_peft_adapter(folder: Path) -> None:
-    """A PEFT-written adapter of the folder's model with non-zero A and B (seeded), at folder/adapter."""
+    """A PEFT-written adapter of the folder's model with non-zero A and B (seeded), at folder/adapter:
+    on every linear projection of the decoder layers, by PEFT's own names (Phi-3: qkv_proj, gate_up_proj)."""
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, task_type="CAUSAL_LM"))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = get_peft_model(base, config)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -53,6 +66,9 @@ def models(tmp_path_factory):
         "llama": save_user_model(root / "llama", num_key_value_heads=4),  # 4 KV heads: tp=4 divides them
         "tied": save_user_model(root / "tied", num_key_value_heads=4, tie_word_embeddings=True),
         "qwen3": save_user_model(root / "qwen3", "qwen3", num_key_value_heads=4, head_dim=16),
+        "phi3": save_user_model(root / "phi3", "phi3"),
+        "gemma3": save_user_model(root / "gemma3", "gemma3_text", **GEMMA3),
+        "olmo2": save_user_model(root / "olmo2", "olmo2"),
     }
     for folder in folders.values():
         save_peft_adapter(folder)
@@ -88,21 +104,39 @@ def peft_model(folder: Path, start: str, init: dict | None, dropout: float = 0.0
     return model
 
 
-def reference_run(folder: Path, start: str, init: dict | None):
-    """PEFT + plain AdamW (decay 0.1, betas 0.9/0.95, clip 1.0, warmup 2 + cosine) over the rows in
-    order, GLOBAL_BATCH a step, the loss a token mean over the step. Returns losses, grad norms and
-    the trained adapters under PEFT's saved names."""
+def step_documents(folder: Path, data: Path, packed: bool) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each step's (input_ids, labels) sequences, each run alone: GLOBAL_BATCH rows a step in file
+    order, rendered by the tokenizer's chat template; packed (data.packing), tests/reference.py's
+    packed rows, document by document (what the document mask computes)."""
+    if not packed:
+        rows = [
+            (ids[:MAX_LEN], labels[:MAX_LEN])
+            for ids, labels in chat_rows(AutoTokenizer.from_pretrained(folder), user_rows(ROWS))
+        ]
+        return [rows[step * GLOBAL_BATCH :][:GLOBAL_BATCH] for step in range(STEPS)]
+    settings = reference.Data(
+        path=data, tokenizer=folder, max_len=MAX_LEN, packing=True, shuffle=False, input_key="question"
+    )
+    batches = reference.stream(settings, GLOBAL_BATCH)
+    return [
+        [
+            (row.input_ids[start:stop], row.labels[start:stop])
+            for row in next(batches)
+            for start, stop in row.spans
+        ]
+        for _ in range(STEPS)
+    ]
+
+
+def reference_run(folder: Path, data: Path, start: str, init: dict | None, packed: bool = False):
+    """PEFT + plain AdamW (decay 0.1, betas 0.9/0.95, clip 1.0, warmup 2 + cosine), the loss a token
+    mean over the step. Returns losses, grad norms and the trained adapters under PEFT's saved names."""
     model = peft_model(folder, start, init)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    rows = chat_rows(tokenizer, user_rows(ROWS))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=STEPS)
     losses, norms = [], []
-    for step in range(STEPS):
-        batch = [
-            (ids[:MAX_LEN], labels[:MAX_LEN]) for ids, labels in rows[step * GLOBAL_BATCH :][:GLOBAL_BATCH]
-        ]
+    for batch in step_documents(folder, data, packed):
         tokens = sum(int((labels != -100).sum()) for _, labels in batch)
         total = 0.0
         for ids, labels in batch:
@@ -135,16 +169,26 @@ PARITY = [
 ]
 
 
+SCENARIO = {**SCENARIOS[1], **SCENARIOS[4]}
+
+
 @pytest.fixture(scope="module")
 def references(models, lora_runs):
-    cache = {}
+    """One reference run per model, start, data layout and initial adapters: scenarios that differ
+    only in the mesh share it (dtrain's init does not depend on the mesh: test_dtrain_init_is_peft_init)."""
+    cache: dict = {}
 
     def get(name: str):
-        _, _, kind, start, _ = {**SCENARIOS[1], **SCENARIOS[4]}[name]
-        key = (kind, start) if start == "adapter" else name
-        if key not in cache:
-            cache[key] = reference_run(models[kind], start, lora_runs[name].get("init"))
-        return cache[key]
+        _, _, kind, start, overrides = SCENARIO[name]
+        packed = bool(overrides.get("data.packing"))
+        init = lora_runs[name].get("init")
+        runs = cache.setdefault((kind, start, packed), [])
+        for seen, result in runs:
+            if init is None or all(torch.equal(seen[key], tensor) for key, tensor in init.items()):
+                return result
+        result = reference_run(models[kind], models["data"], start, init, packed)
+        runs.append((init, result))
+        return result
 
     return get
 
@@ -166,11 +210,11 @@ def test_loss_grad_norm_and_adapters_match_single_process_peft(lora_runs, refere
 
 @pytest.mark.parametrize("name", [n for world in SCENARIOS.values() for n in world])
 def test_only_adapters_train_and_the_base_stays_bit_identical(models, lora_runs, name):
-    """The frozen base after 10 steps equals the model's safetensors bit for bit (rounded once to
+    """The frozen base after training equals the model's safetensors bit for bit (rounded once to
     bf16 in a bf16 run: lora.base_dtype=auto); only adapters are trainable and only they have AdamW
     state."""
     saved = lora_runs[name]
-    kind = {**SCENARIOS[1], **SCENARIOS[4]}[name][2]
+    kind = SCENARIO[name][2]
     files = load_file(str(models[kind] / "model.safetensors"))
     base = {key: value for key, value in saved["base"].items() if key in files}
     assert set(files) <= set(saved["base"])  # lm_head of the tied model is the embedding, one tensor
@@ -196,9 +240,13 @@ def test_dtrain_init_is_peft_init(lora_runs):
     )  # mesh-independent
 
 
-def test_adapter_export_loads_in_peft_with_the_trained_logits(models, lora_runs):
-    saved = lora_runs["2x2"]
-    base = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+EXPORTED = ["2x2", "2x2_phi3"]  # Phi-3: the split parts' adapters written as PEFT's fused ones
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_adapter_export_loads_in_peft_with_the_trained_logits(models, lora_runs, name):
+    saved = lora_runs[name]
+    base = AutoModelForCausalLM.from_pretrained(models[SCENARIO[name][2]], dtype=torch.float32)
     ids = logit_ids()
     with torch.no_grad():
         base_logits = base(input_ids=ids).logits
@@ -207,19 +255,21 @@ def test_adapter_export_loads_in_peft_with_the_trained_logits(models, lora_runs)
     assert relative_error(logits, base_logits) > 1e-3  # training moved the adapters: not the base's
 
 
-def test_merged_export_loads_in_transformers_with_the_trained_logits(lora_runs):
-    saved = lora_runs["2x2"]
+@pytest.mark.parametrize("name", EXPORTED)
+def test_merged_export_loads_in_transformers_with_the_trained_logits(lora_runs, name):
+    saved = lora_runs[name]
     model = AutoModelForCausalLM.from_pretrained(Path(saved["run_dir"]) / "hf-merged", dtype=torch.float32)
     with torch.no_grad():
         logits = model(input_ids=logit_ids()).logits
     assert relative_error(logits, saved["trained_logits"]) < RTOL
 
 
-def test_checkpoint_from_2x2_resumes_at_tp1_on_the_uninterrupted_curve(lora_runs):
-    saved = lora_runs["2x2"]
+@pytest.mark.parametrize("name", EXPORTED)
+def test_checkpoint_from_2x2_resumes_at_tp1_on_the_uninterrupted_curve(lora_runs, name):
+    saved = lora_runs[name]
     uninterrupted = {h["step"]: h for h in saved["history"]}
     resumed = saved["resumed_history"]
-    assert [h["step"] for h in resumed] == list(range(6, STEPS + 1))
+    assert [h["step"] for h in resumed] == list(range(STEPS // 2 + 1, STEPS + 1))
     for record in resumed:
         assert record["loss"] == pytest.approx(uninterrupted[record["step"]]["loss"], rel=RTOL)
         assert record["grad_norm"] == pytest.approx(uninterrupted[record["step"]]["grad_norm"], rel=RTOL)
@@ -236,6 +286,34 @@ def test_bf16_keeps_a_bf16_base_and_fp32_adapters_and_tracks_fp32(lora_runs):
         assert dtype == expected, name
     fp32 = [h["loss"] for h in lora_runs["1x1"]["history"]]
     assert [h["loss"] for h in saved["history"]] == pytest.approx(fp32, rel=2e-2)
+
+
+def test_compiled_scenario_compiled_its_layers(lora_runs):
+    """4x1 runs with parallel.compile=true: its parity above is that of compiled layers."""
+    compiled = [name for name, scenario in SCENARIO.items() if scenario[4].get("parallel.compile")]
+    assert compiled and all(lora_runs[name]["graphs"] >= 1 for name in compiled)
+
+
+def test_flops_per_token_counts_no_weight_gradients_for_the_frozen_base(models):
+    """dtrain's FLOPs a token (MFU's numerator) against a hand count over PEFT's model of the same
+    Llama: 2 a multiply-accumulate of every Linear (the base's, lm_head's, the adapters') in the
+    forward, 2 again for the activation gradients, 2 for the weight gradients of the adapters only,
+    and attention's 12·L·d·S; the convention also counts the norms' weights like a Linear's (4 each:
+    forward and activation gradient, frozen)."""
+    base = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+    config = base.config
+    model = get_peft_model(base, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS))
+    linears = [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    total = sum(p.numel() for p in model.parameters())
+    attention = 12 * config.num_hidden_layers * config.hidden_size * MAX_LEN
+    hand = 2 * sum(linears) + 2 * sum(linears) + 2 * adapters + attention
+    assert flops_per_token(config, total, MAX_LEN, adapters) == hand + 4 * norms
+    # full training: weight gradients for every Linear too (the embedding, a lookup, has none)
+    full = flops_per_token(config, total, MAX_LEN, total)
+    assert full == 6 * sum(linears) + attention + 6 * norms
+    assert full - flops_per_token(config, total, MAX_LEN, adapters) == 2 * (sum(linears) + norms - adapters)
 
 
 def test_dropout_masks_agree_over_tp_and_the_loss_falls(lora_runs):
@@ -296,9 +374,9 @@ def test_a_bad_target_module_fails_before_any_process_group_with_one_line(models
 
 
 def test_export_from_a_lora_checkpoint_writes_the_adapter_and_the_merged_model(models, lora_runs, tmp_path):
-    """python -m dtrain.export on 2x2's step-5 checkpoint: the adapter folder and, with --merged, the
+    """python -m dtrain.export on 2x2's middle checkpoint: the adapter folder and, with --merged, the
     merged model give the same logits (PEFT's model against transformers' own)."""
-    checkpoint = Path(lora_runs["2x2"]["run_dir"]) / "checkpoints" / "step-00000005"
+    checkpoint = Path(lora_runs["2x2"]["run_dir"]) / "checkpoints" / f"step-{STEPS // 2:08d}"
     for out, extra in ((tmp_path / "adapter", []), (tmp_path / "merged", ["--merged"])):
         result = run(
             [sys.executable, "-m", "dtrain.export", str(checkpoint), str(out), "--dtype", "fp32", *extra]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtrain.bench.variants import Result, Setup, in_process_variants, measure, mesh_worker
+from dtrain.bench.variants import Result, Setup, in_process_variants, lora_variants, measure, mesh_worker
 from dtrain.distributed import init_distributed
 from dtrain.metrics import peak_flops
 
@@ -34,7 +34,9 @@ def run_worker(kind: str, args: argparse.Namespace, nproc: int) -> list[dict] | 
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "result.json"
         forwarded = [f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()]
-        forwarded = [a for a in forwarded if not a.startswith(("--worker", "--out", "--meshes", "--hf"))]
+        forwarded = [
+            a for a in forwarded if not a.startswith(("--worker", "--out", "--meshes", "--hf", "--lora"))
+        ]
         module = ["-m", "dtrain.bench", "--worker", kind, "--out", str(out), *forwarded]
         if kind == "trainer":
             command = [sys.executable, *module]
@@ -93,6 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--meshes", default="default", help="comma-separated DPxTP meshes; '' for none")
     parser.add_argument("--hf-trainer", type=int, default=1, help="1: add the HF Trainer variant")
+    parser.add_argument("--lora-r", type=int, default=16, help="> 0: add PEFT's and dtrain 1x1's LoRA rows")
     parser.add_argument("--worker-timeout", type=int, default=600)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a mesh (DPxTP) or 'trainer'
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -118,6 +121,15 @@ def main(argv: list[str] | None = None) -> None:
     results: list[Result | str] = list(
         measure(in_process_variants(setup, device, args.loss_chunk), setup, device, args)
     )
+    if args.lora_r and importlib.util.find_spec("peft") is None:
+        results.append("LoRA: not run (the PEFT baseline needs peft, which is not installed)")
+    elif args.lora_r:
+        results += measure(
+            lora_variants(setup, device, args.lora_r),
+            Setup(**{**asdict(setup), "lora_r": args.lora_r}),
+            device,
+            args,
+        )
     if args.hf_trainer and importlib.util.find_spec("accelerate") is None:
         results.append("HF Trainer: not run (it needs accelerate, which is not installed)")
     elif args.hf_trainer:

@@ -19,12 +19,20 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dtrain.checks import check_config
-from dtrain.config import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from dtrain.config import (
+    Config,
+    DataConfig,
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from dtrain.distributed import build_parallel, init_distributed
 from dtrain.loss import IGNORE
 from dtrain.metrics import flops_per_token
 from dtrain.model import build_model, load_model_config
-from dtrain.optim import build_optimizer
+from dtrain.optim import build_optimizer, trainable_parameters
 from dtrain.step import micro_step, optimizer_step
 
 TINY_MODEL = dict(
@@ -38,6 +46,7 @@ TINY_MODEL = dict(
     max_position_embeddings=512,
 )
 LR, MAX_NORM = 1e-3, 1.0
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # Llama's
 TOKENIZER = Path(__file__).parents[1] / "assets" / "tiny_llama"  # only checked: the data is random ids
 Step = Callable[[], None]
 
@@ -54,6 +63,7 @@ class Setup:
     compile: bool = False  # torch.compile each decoder layer (dtrain and the plain loop alike)
     loss_impl: str = "dense"  # dtrain only: parallel.loss_impl
     loss_chunk: int = 0  # dtrain only: parallel.loss_chunk (chunked and fused)
+    lora_r: int = 0  # > 0: LoRA adapters of this rank on every projection (PEFT in the plain loop)
 
 
 @dataclass
@@ -119,10 +129,16 @@ def plain_loop(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device) 
     document mask from the restarting position_ids), AdamW (fused, as dtrain's), summed token loss /
     tokens, clip, step."""
     model = hf_model(setup, device)
+    if setup.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=setup.lora_r, lora_alpha=2 * setup.lora_r, target_modules=PROJECTIONS)
+        model = get_peft_model(model, lora).base_model.model  # PEFT's modules, called as the HF model
     if setup.compile:
         for index, layer in enumerate(model.model.layers):
             model.model.layers[index] = torch.compile(layer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True)
     tokens = (mb["labels"] != IGNORE).sum().float()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=setup.precision == "bf16")
 
@@ -131,7 +147,7 @@ def plain_loop(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device) 
             logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(), reduction="sum")
         (loss / tokens).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -153,13 +169,14 @@ def dtrain_step(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device,
         ),
         optim=OptimConfig(lr=LR, max_grad_norm=MAX_NORM, schedule="constant"),
         train=TrainConfig(global_batch_size=setup.batch * dp, micro_batch_size=setup.batch),
+        lora=LoraConfig(r=setup.lora_r, alpha=2.0 * setup.lora_r),
     )
     config.train.precision = setup.precision
     model_config = load_model_config(config.model)
     shape = check_config(config, world, model_config, files=False)
     model = build_model(model_config, config, build_parallel(shape, device), device)
     optimizer = build_optimizer(model, config.optim)
-    params = list(model.parameters())
+    params = trainable_parameters(model)
     tokens = (mb["labels"] != IGNORE).sum().float() * dp  # every dp rank's batch has as many
 
     def step() -> None:
@@ -192,10 +209,15 @@ def peak_gib(device: torch.device) -> float | None:
 
 
 def flops(setup: Setup) -> float:
+    """dtrain.metrics' count; with LoRA, r·(in + out) adapter parameters a projection, which alone
+    get weight gradients."""
     config = AutoConfig.for_model(**setup.model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return flops_per_token(config, sum(p.numel() for p in model.parameters()), setup.seq)
+    total = sum(p.numel() for p in model.parameters())
+    projections = [m for n, m in model.named_modules() if n.endswith(tuple(PROJECTIONS))]
+    adapters = sum(setup.lora_r * (m.in_features + m.out_features) for m in projections)
+    return flops_per_token(config, total + adapters, setup.seq, adapters if setup.lora_r else None)
 
 
 def measure(
@@ -249,6 +271,16 @@ def in_process_variants(setup: Setup, device: torch.device, loss_chunk: int) -> 
     return {
         "plain torch + transformers loop": lambda: plain_loop(setup, mb, device),
         **loss_variants("dtrain 1x1", setup, mb, device, 1, 1, loss_chunk),
+    }
+
+
+def lora_variants(setup: Setup, device: torch.device, r: int) -> dict[str, Callable[[], Step]]:
+    """LoRA (rank r, every projection): PEFT on the plain loop against dtrain 1x1, the same model."""
+    mb = make_batch(setup, device)
+    lora = Setup(**{**asdict(setup), "lora_r": r})
+    return {
+        f"LoRA r={r}: PEFT + plain loop": lambda: plain_loop(lora, mb, device),
+        f"LoRA r={r}: dtrain 1x1": lambda: dtrain_step(lora, mb, device, 1, 1),
     }
 
 

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtrain.config import ConfigError, LoraConfig
+from dtrain.parallel.fused import FUSED_ATTR
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -85,19 +86,19 @@ def is_target(name: str, targets: list[str]) -> bool:
     return any(name == target or name.endswith("." + target) for target in targets)
 
 
-def target_linears(layers: nn.ModuleList, targets: list[str], prefix: str = "") -> dict[str, nn.Linear]:
-    """{name under `prefix`: module} of the Linears in the decoder layers that get adapters: those
-    `targets` names (empty: every Linear of the decoder layers)."""
+def decoder_linears(layers: nn.ModuleList, prefix: str = "") -> dict[str, nn.Linear]:
+    """{name under `prefix`: module} of the Linears in the decoder layers (those LoRA can adapt)."""
     found = {}
     for name, module in layers.named_modules(prefix=prefix):
-        if isinstance(module, nn.Linear) and (not targets or is_target(name, targets)):
+        if isinstance(module, nn.Linear):
             found[name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")] = module
     return found
 
 
-def check_targets(layers: nn.ModuleList, targets: list[str]) -> None:
-    """Every lora.target_modules entry names a Linear of the decoder layers."""
-    names = target_linears(layers, [])
+def check_targets(model: nn.Module, layers: nn.ModuleList, targets: list[str]) -> None:
+    """Every lora.target_modules entry names a Linear of the decoder layers (by its end, or whole as
+    PEFT's "all-linear" writes them)."""
+    names = decoder_linears(layers, layer_prefix(model, layers))
     for target in targets:
         if not any(is_target(name, [target]) for name in names):
             short = sorted({name.rsplit(".", 1)[-1] for name in names})
@@ -164,14 +165,20 @@ def adapter_placements(weight: torch.Tensor) -> tuple[list, list] | None:
     return [Replicate()], [Replicate()]
 
 
-def attach(linear: nn.Linear, settings: LoraConfig, dropout_seed: int) -> LoraLinear:
-    """Give `linear` (on the meta device, TP already applied) its adapter, in place."""
-    lora_a = nn.Linear(linear.in_features, settings.r, bias=False, device="meta", dtype=torch.float32)
-    lora_b = nn.Linear(settings.r, linear.out_features, bias=False, device="meta", dtype=torch.float32)
+def attach(
+    linear: nn.Linear, settings: LoraConfig, dropout_seed: int, lora_a: nn.Linear | None = None
+) -> LoraLinear:
+    """Give `linear` (on the meta device, TP already applied) its adapter, in place; `lora_a`: an A
+    it shares with the other parts of its fused projection (their placements agree: all colwise)."""
     placements = adapter_placements(linear.weight)
+    mesh = linear.weight.device_mesh if placements is not None else None
+    lora_b = nn.Linear(settings.r, linear.out_features, bias=False, device="meta", dtype=torch.float32)
+    modules = [lora_b]
+    if lora_a is None:
+        lora_a = nn.Linear(linear.in_features, settings.r, bias=False, device="meta", dtype=torch.float32)
+        modules.insert(0, lora_a)
     if placements is not None:
-        mesh = linear.weight.device_mesh
-        for module, placement in zip((lora_a, lora_b), placements, strict=True):
+        for module, placement in zip(modules, placements[-len(modules) :], strict=True):
             module.weight = nn.Parameter(distribute_tensor(module.weight, mesh, placement))
     linear.__class__ = LoraLinear
     assert isinstance(linear, LoraLinear)
@@ -187,14 +194,33 @@ def apply_lora(
 ) -> None:
     """Freeze the model, cast it to `dtype` (the base's), then give every targeted Linear of the
     decoder layers an fp32 adapter. On the meta model, after TP and before checkpointing and FSDP.
-    `seed` keys the dropout masks (the same on the tp ranks of a group)."""
+    `seed` keys the dropout masks (the same on the tp ranks of a group). The parts of a split fused
+    projection (Phi-3's qkv_proj) are targeted by the fused name and share one A, as PEFT's single
+    adapter of the fused Linear: `B A x` is then the parts' `B_part A x` stacked in HF's row order."""
     setattr(model, SETTINGS_ATTR, settings)
     model.requires_grad_(False)
     if dtype != torch.float32:
         model.to(dtype)  # swaps DTensor parameters in place: tied weights stay tied
     prefix = layer_prefix(model, layers)
-    for name, linear in target_linears(layers, settings.target_modules, prefix).items():
-        attach(linear, settings, seed * 1_000_003 + zlib.crc32(name.encode()))
+    parts = fused_parts(model)
+    shared: dict[str, nn.Linear] = {}  # fused name: the A its parts share
+    for name, linear in decoder_linears(layers, prefix).items():
+        peft_name = parts.get(name, (name, 0))[0]
+        if settings.target_modules and not is_target(peft_name, settings.target_modules):
+            continue
+        module = attach(
+            linear, settings, seed * 1_000_003 + zlib.crc32(peft_name.encode()), shared.get(peft_name)
+        )
+        shared[peft_name] = module.lora_A
+
+
+def fused_parts(model: nn.Module) -> dict[str, tuple[str, int]]:
+    """{part module name: (HF fused module name, its first row there)} of the split fused
+    projections (dtrain/parallel/fused.py; Phi-3), empty for other families."""
+    return {
+        part.removesuffix(".weight"): (hf.removesuffix(".weight"), first)
+        for part, (hf, first) in getattr(model, FUSED_ATTR, {}).items()
+    }
 
 
 def layer_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
@@ -222,9 +248,13 @@ def init_adapters(model: nn.Module, settings: LoraConfig, seed: int) -> None:
     """PEFT's init (init_lora_weights=True): A Kaiming-uniform(a=sqrt(5)), as nn.Linear's reset,
     drawn over the full shape from a generator keyed on (seed, name) so it does not depend on the
     mesh; B zero, so the adapted model starts as the base. lora.init=gaussian: A normal(0, 1/r)."""
+    parts = fused_parts(model)
     for name, module in adapter_modules(model).items():
         a, b = module.lora_A.weight, module.lora_B.weight
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}.lora_A".encode()))
+        peft_name = parts.get(name, (name, 0))[0]  # a shared A: drawn alike for each of its parts
+        generator = torch.Generator().manual_seed(
+            seed * 1_000_003 + zlib.crc32(f"{peft_name}.lora_A".encode())
+        )
         full = torch.empty(a.shape)
         if settings.init == "gaussian":
             full.normal_(0.0, 1.0 / settings.r, generator=generator)
@@ -252,34 +282,69 @@ def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
 
 @torch.no_grad()
 def load_adapter(model: nn.Module, folder: str) -> None:
-    """Each rank copies its slices of a PEFT adapter folder's weights into its adapter shards."""
+    """Each rank copies its slices of a PEFT adapter folder's weights into its adapter shards (a
+    fused projection's part: the fused A, and its rows of the fused B)."""
     from safetensors.torch import load_file
 
     saved = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
-    for name, param in adapter_parameters(model).items():
-        key = PEFT_PREFIX + name
+    params = adapter_parameters(model)
+    for name, (peft_name, first) in peft_names(model).items():
+        key = PEFT_PREFIX + peft_name
         if key not in saved:
             raise ConfigError(f"lora.adapter={folder!r}: {ADAPTER_WEIGHTS} has no tensor {key}")
-        if tuple(saved[key].shape) != tuple(param.shape):
+        param, tensor = params[name], saved[key]
+        if ".lora_B." in name:
+            tensor = tensor[first : first + param.shape[0]]
+        if tuple(tensor.shape) != tuple(param.shape):
             raise ConfigError(
                 f"lora.adapter={folder!r}: {key} has shape {tuple(saved[key].shape)}, the model's "
                 f"adapter {tuple(param.shape)}"
             )
-        _copy_full(param, saved[key])
+        _copy_full(param, tensor)
 
 
 def adapter_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{HF name (`model.layers.0.self_attn.q_proj.lora_A.weight`): parameter} of every adapter."""
-    found = {}
+    """{HF name (`model.layers.0.self_attn.q_proj.lora_A.weight`): parameter} of every adapter, each
+    once (a shared A under its first part's name): the names checkpoints hold."""
+    found, seen = {}, set()
     for name, module in adapter_modules(model).items():
-        found[f"{name}.lora_A.weight"] = module.lora_A.weight
+        if id(module.lora_A.weight) not in seen:
+            seen.add(id(module.lora_A.weight))
+            found[f"{name}.lora_A.weight"] = module.lora_A.weight
         found[f"{name}.lora_B.weight"] = module.lora_B.weight
     return found
 
 
+def peft_names(model: nn.Module) -> dict[str, tuple[str, int]]:
+    """{adapter_parameters name: (PEFT's name without PEFT_PREFIX, first row there)}: the fused
+    module's name for a split part's adapter (its B's rows from `first`), the name itself otherwise."""
+    parts = fused_parts(model)
+    names = {}
+    for name in adapter_parameters(model):
+        module, adapter = name.rsplit(".", 2)[0], ".".join(name.rsplit(".", 2)[1:])
+        fused, first = parts.get(module, (module, 0))
+        names[name] = (f"{fused}.{adapter}", first)
+    return names
+
+
+def peft_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective. The adapters whole, fp32 on the CPU, under PEFT's saved names: a fused
+    projection's parts' B concatenated in HF's row order, their shared A once."""
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    params = adapter_parameters(model)
+    for name, (peft_name, first) in peft_names(model).items():
+        param = params[name]
+        full = (param.full_tensor() if isinstance(param, DTensor) else param).detach().float().cpu()
+        pieces.setdefault(PEFT_PREFIX + peft_name, []).append((first, full))
+    return {
+        key: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for key, parts in pieces.items()
+    }
+
+
 def peft_config(settings: LoraConfig, model: nn.Module, base_model: str | None) -> dict:
     """adapter_config.json as PEFT writes it (the keys PEFT needs; the rest take PEFT's defaults)."""
-    targets = sorted({name.rsplit(".", 1)[-1] for name in adapter_modules(model)})
+    parts = fused_parts(model)
+    targets = sorted({parts.get(name, (name, 0))[0].rsplit(".", 1)[-1] for name in adapter_modules(model)})
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
