@@ -10,8 +10,7 @@ a folder of its own as a user's working directory:
 - A worker SIGKILLed after a periodic checkpoint, then the identical command: it resumes from that
   checkpoint and the steps logged after it are not repeated; `checkpoint.resume=never` starts over.
 - The documented exit codes as the shell sees them: 75 preempted, 3 non-finite (train.max_skips),
-  2 for a full disk at save (the last checkpoint intact and loadable, no partial left) and a bad
-  config.
+  2 for a full disk at save (the last checkpoint intact and loadable, no partial left).
 - The failures known before any process group, each one `dtrain: error:` line and exit code 2, in
   this process (dtrain.sft.main with a patched argv): no interpreter start-up per check.
 
@@ -42,7 +41,7 @@ from dtrain.config import CheckpointConfig
 from dtrain.hydra_glue import run_name
 from tests.helpers import ROOT, wandb_records
 
-STEPS = 8
+STEPS = 6
 COMMAND = [f"train.max_steps={STEPS}", "train.log_every=1", "logging.wandb.mode=offline"]
 NAME = "embedded"  # the folder the embedded default's command names: outputs/embedded
 SLOW_STEPS = {"DTRAIN_TEST_STEP_SLEEP_S": "1"}  # a signal lands mid-run, not after the last step
@@ -220,8 +219,9 @@ def test_a_killed_worker_then_the_same_command_resumes_and_never_starts_over(tmp
 
 @pytest.mark.slow
 def test_exit_codes_through_the_launch_script(tmp_path):
-    """3 for too many non-finite steps, 2 for a full disk at save and for a bad config: what a
-    requeue script reads from ./launch/local.sh, where torchrun alone says 1."""
+    """3 for too many non-finite steps, 2 for a full disk at save (as for every dtrain error: a bad
+    config's 2 is test_cli's, in one interpreter): what a requeue script reads from ./launch/local.sh,
+    where torchrun alone says 1."""
     short = ["train.max_steps=4", "logging.wandb.mode=disabled"]
     code, output = launch(tmp_path / "nan", *short, "train.max_skips=0", env={"DTRAIN_TEST_NAN_AT_STEP": "2"})
     assert code == 3, output[-3000:]
@@ -239,10 +239,6 @@ def test_exit_codes_through_the_launch_script(tmp_path):
     assert find_resume_path(CheckpointConfig(resume="auto"), checkpoints).name == "step-00000002"
     dcp_to_torch_save(checkpoints / "step-00000002", tmp_path / "last.pt")  # the last one still loads
     assert torch.load(tmp_path / "last.pt", weights_only=False)["progress"]["step"] == 2
-
-    code, output = launch(tmp_path / "config", "train.global_batch_size=24")
-    assert code == 2, output[-3000:]
-    assert output.count("dtrain: error: train.global_batch_size=24 is not divisible") == 1
 
 
 def main_in_process(monkeypatch, cwd: Path, *overrides: str) -> tuple[int, str]:

@@ -21,7 +21,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from dtrain.metrics import flops_per_token
 from tests import reference
-from tests.helpers import chat_rows, read_metrics, run, save_user_model, torchrun, user_rows, worker
+from tests.helpers import (
+    chat_rows,
+    read_metrics,
+    run,
+    run_in_one_interpreter,
+    save_user_model,
+    torchrun,
+    user_rows,
+    worker,
+)
 from tests.workers.lora_runs import ALPHA, GLOBAL_BATCH, LR, MAX_LEN, SCENARIOS, STEPS, R, logit_ids
 
 pytestmark = pytest.mark.slow
@@ -289,7 +298,7 @@ def test_bf16_keeps_a_bf16_base_and_fp32_adapters_and_tracks_fp32(lora_runs):
 
 
 def test_compiled_scenario_compiled_its_layers(lora_runs):
-    """4x1 runs with parallel.compile=true: its parity above is that of compiled layers."""
+    """1x1 runs with parallel.compile=true: its parity above is that of compiled layers."""
     compiled = [name for name, scenario in SCENARIO.items() if scenario[4].get("parallel.compile")]
     assert compiled and all(lora_runs[name]["graphs"] >= 1 for name in compiled)
 
@@ -363,10 +372,12 @@ def test_cli_tp2_lora_trains_and_exports_an_adapter_peft_loads(models, tmp_path)
 def test_a_bad_target_module_fails_before_any_process_group_with_one_line(models, tmp_path):
     args = [f"model.name_or_path={models['llama']}", f"data.path={models['data']}", "data.input_key=question"]
     args += ["lora.r=8", "lora.target_modules=[q_proj,qkv]", f"hydra.run.dir={tmp_path}"]
-    result = run([sys.executable, *SFT, *args], timeout=120)
-    assert result.returncode == 2, result.stdout[-3000:]
-    assert "Traceback" not in result.stdout and "process group" not in result.stdout.lower()
-    errors = [line for line in result.stdout.splitlines() if line.startswith("dtrain: error:")]
+    # `python -m dtrain.sft ARGS` as dtrain.sft.main() in one interpreter: the check comes first
+    outcome = run_in_one_interpreter(tmp_path / "cli", {"bad_target": args})["bad_target"]
+    output = outcome["output"]
+    assert outcome["returncode"] == 2, output[-3000:]
+    assert "Traceback" not in output and "process group" not in output.lower()
+    errors = [line for line in output.splitlines() if line.startswith("dtrain: error:")]
     assert errors == [
         "dtrain: error: lora.target_modules: 'qkv' names no linear projection of the decoder layers "
         "(they are down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)"

@@ -1,4 +1,4 @@
-"""Launched by tests/test_fused_loss.py with 1, 2 or 4 processes (gloo, fp32): the fused loss
+"""Launched by tests/test_fused_loss.py with 1 or 4 processes (gloo, fp32): the fused loss
 (parallel.loss_impl=fused) against the dense one, each check asserting on every rank.
 
 - The autograd function on the tp mesh (Shard(0) head weight of a padded vocabulary, 1025 ids in
@@ -7,7 +7,7 @@
   (1e-6), with an upstream gradient that is not 1 and a short last chunk; bf16 inputs close to fp32.
 - dtrain's trainer for 10 steps with accumulation: every step's loss and grad norm, and the final
   weights, of loss_impl=fused against loss_impl=dense on the same mesh (1e-5): 1×1 (one process),
-  1×2 (sequence parallel), 2×2, and 2×2 tied with full activation checkpointing (four processes).
+  2×2 (sequence parallel), and 2×2 tied with full activation checkpointing (four processes).
 """
 
 from __future__ import annotations
@@ -128,15 +128,11 @@ def main() -> None:
     if world == 1:
         check_function(None, False)
         check_training(1, 1, out, device)
-    elif world == 2:
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        for sequence_parallel in (True, False):
-            check_function(mesh, sequence_parallel)
-        check_function(mesh, True, torch.bfloat16)
-        check_training(1, 2, out, device)
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        check_function(mesh["tp"], True)
+        for sequence_parallel in (True, False):
+            check_function(mesh["tp"], sequence_parallel)
+        check_function(mesh["tp"], True, torch.bfloat16)
         check_training(2, 2, out, device)
         check_training(2, 2, out, device, tied=True, activation_checkpointing="full")
     dist.barrier()
