@@ -7,8 +7,9 @@ a folder of its own as a user's working directory:
   checkpoint settings, and the identical command again; then SIGUSR1 to one worker during the last
   step, which lets the run finish. The curve equals an uninterrupted run's (1e-6), metrics.jsonl
   holds each step once, and W&B (offline) logs every launch to the same run id.
-- A worker SIGKILLed after a periodic checkpoint, then the identical command: it resumes from that
-  checkpoint and the steps logged after it are not repeated; `checkpoint.resume=never` starts over.
+- The workers SIGKILLed while saving a checkpoint, then the identical command: it skips the partial
+  checkpoint, resumes from the last complete one, and the steps logged after it are not repeated;
+  `checkpoint.resume=never` starts over.
 - The documented exit codes as the shell sees them: 75 preempted, 3 non-finite (train.max_skips),
   2 for a full disk at save (the last checkpoint intact and loadable, no partial left).
 - The failures known before any process group, each one `dtrain: error:` line and exit code 2, in
@@ -199,17 +200,23 @@ def test_sigterm_ctrl_c_and_a_signal_in_the_last_step_then_the_same_command_resu
 
 
 @pytest.mark.slow
-def test_a_killed_worker_then_the_same_command_resumes_and_never_starts_over(tmp_path, reference):
+def test_a_save_killed_mid_write_then_the_same_command_resumes_and_never_starts_over(tmp_path, reference):
+    """The workers are SIGKILLed while saving step 4 (its files written, not yet marked complete):
+    the identical command skips the partial checkpoint, resumes from step 2, and logs steps 3 and 4
+    once; `checkpoint.resume=never` starts over. (A rank killed between steps, restarted in place:
+    test_reliability.)"""
     command = [*COMMAND, "checkpoint.every=2", "logging.wandb.mode=disabled"]
-    # Rank 1 SIGKILLs itself before step 4: rank 0 has logged step 3, after the step-2 checkpoint.
-    code, output = launch(tmp_path, *command, env={"DTRAIN_TEST_KILL_AT_STEP": "4"})
+    code, output = launch(tmp_path, *command, env={"DTRAIN_TEST_CRASH_IN_SAVE": "4"})
     assert code != 0
-    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3] and saved_steps(tmp_path) == [2]
+    checkpoints = tmp_path / "outputs" / NAME / "checkpoints"
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3, 4] and saved_steps(tmp_path) == [2]
+    assert (checkpoints / ".step-00000004.partial").is_dir() and not (checkpoints / "step-00000004").exists()
 
     code, output = launch(tmp_path, *command)
     assert code == 0, output[-3000:]
+    assert "skipping incomplete checkpoint" in output
     assert f"resuming outputs/{NAME} at step 2" in output
-    assert_same_curve(records(tmp_path), reference)  # step 3 once: the killed attempt's is gone
+    assert_same_curve(records(tmp_path), reference)  # steps 3 and 4 once: the killed attempt's are gone
 
     code, output = launch(tmp_path, *command, "train.max_steps=2", "checkpoint.resume=never")
     assert code == 0, output[-3000:]
