@@ -48,9 +48,6 @@ TINY = dict(
     pad_token_id=2,
 )
 STEPS, GLOBAL_BATCH, MICRO_BATCH, MAX_LEN = 10, 16, 4, 32
-# the families' parity runs: warmup and 3 cosine steps with accumulation each (the suite's time:
-# 11 families); the Llama meshes run STEPS
-FAMILY_STEPS = 5
 
 
 def save_tiny_llama(folder: Path, tied: bool, seed: int = 0, max_shard_size: str = "5GB") -> Path:

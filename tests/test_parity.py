@@ -22,7 +22,6 @@ from tests import reference
 from tests.helpers import (
     CROSS_RANK_TOKEN,
     FAMILIES,
-    FAMILY_STEPS,
     GLOBAL_BATCH,
     MAX_LEN,
     STEPS,
@@ -104,10 +103,7 @@ def reference_run(cache_dir: Path, model_dir: Path, steps: int = STEPS, packed: 
 @pytest.fixture(scope="module")
 def references(models, tmp_path_factory):
     cache = reference_cache_dir(tmp_path_factory)
-    runs = {
-        kind: reference_run(cache, path, steps=FAMILY_STEPS if kind in FAMILIES else STEPS)
-        for kind, path in models.items()
-    }
+    runs = {kind: reference_run(cache, path) for kind, path in models.items()}
     runs["packed"] = reference_run(cache, models["untied"], packed=True)
     return runs
 

@@ -19,7 +19,6 @@ from dtrain.step import local_micro_batch, summed_loss
 from dtrain.trainer import train
 from tests.helpers import (
     FAMILIES,
-    FAMILY_STEPS,
     check_sharding,
     cross_rank_row,
     full_logits,
@@ -32,7 +31,6 @@ from tests.helpers import (
 
 EXPORT = {"checkpoint.export_hf": True, "checkpoint.export_dtype": "fp32"}
 PACKED = {"data.packing": True}
-FAMILY_RUN = {**EXPORT, "train.max_steps": FAMILY_STEPS}
 # the seeded init's runs compare the two meshes' init and first losses: 3 steps say it
 SEEDED_INIT = {"train.max_steps": 3}
 # name: (dp, tp, model, overrides); model is "untied", "tied", "random" (seeded init) or a family
@@ -52,7 +50,7 @@ SCENARIOS = {
         "4x1": (4, 1, "untied", {}),
         "2x2_random": (2, 2, "random", SEEDED_INIT),
         # every family trained, then exported at the end of training (fp32, to compare logits)
-        **{f"2x2_{family}": (2, 2, family, FAMILY_RUN) for family in FAMILIES},
+        **{f"2x2_{family}": (2, 2, family, EXPORT) for family in FAMILIES},
         # context parallel on packed rows whose documents cross the chunk borders
         "cp4": (1, 1, "untied", {"parallel.cp": 4, **PACKED}),
         "cp2_tp2": (1, 2, "untied", {"parallel.cp": 2, **PACKED}),
