@@ -111,7 +111,9 @@ def start_run(
     sinks = []
     if dist.get_rank() == 0:
         sinks = open_sinks(config, resolved, run_dir, progress.step)
-        log_summary(model, parallel, config, num_params, shard_sizes, data.num_examples, tokenizer_folder)
+        log_summary(
+            model, parallel, config, num_params, trainable, shard_sizes, data.num_examples, tokenizer_folder
+        )
     guard = StepGuard(config.train, faults, save_due=checkpointer.due_by_time)
     return Run(
         parallel=parallel,
@@ -226,6 +228,7 @@ def log_summary(
     parallel: Parallel,
     config: Config,
     num_params: int,
+    trainable: int,
     shard_sizes: list[int],
     n: int,
     tokenizer_folder: str,
@@ -235,7 +238,6 @@ def log_summary(
     mesh = dict(zip(parallel.mesh.mesh_dim_names, parallel.mesh.shape, strict=True))
     if parallel.ep_size > 1:  # the experts' split of the fsdp ranks
         mesh |= {"efsdp": parallel["efsdp"].shape[-1], "ep": parallel.ep_size}
-    trainable = sum(p.numel() for p in trainable_parameters(model))
     init = "weights loaded" if config.model.init == "pretrained" else "seeded random init"
     if config.model.init == "random" and config.model.name_or_path:
         weights = has_weights(config.model.name_or_path)

@@ -33,7 +33,15 @@ from dtrain.data.loader import SFTLoader, eval_micro_batches
 from dtrain.data.pipeline import prepare, to_rows
 from dtrain.data.sources import load_split
 from dtrain.model import load_model_config
-from tests.helpers import DATASET, TOKENIZER, parity_config, read_metrics, run, torchrun
+from tests.helpers import (
+    DATASET,
+    TOKENIZER,
+    parity_config,
+    read_metrics,
+    run,
+    run_in_one_interpreter,
+    torchrun,
+)
 
 TEMPLATE = (TOKENIZER / "chat_template.jinja").read_text()
 NO_MARKERS = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
@@ -402,18 +410,8 @@ def bad_commands(tmp_path_factory) -> dict[str, dict]:
         folder = root / case.replace(" ", "_")
         folder.mkdir()
         commands[case] = cli_args(folder, None, [f"data.mix=[{{path: {DATASET}, {entry}}}]"])
-    (root / "commands.json").write_text(json.dumps(commands))
     env = {**OFFLINE, "HF_DATASETS_CACHE": str(root / "hf_cache")}
-    runner = [
-        sys.executable,
-        "-m",
-        "tests.workers.cli_many",
-        str(root / "commands.json"),
-        str(root / "out.json"),
-    ]
-    result = run(runner, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-4000:]
-    results = json.loads((root / "out.json").read_text())
+    results = run_in_one_interpreter(root / "cli_many", commands, env=env)
     for name, outcome in results.items():  # each folder is left as its command left it
         outcome["run_dir"] = root / name.replace(" ", "_") / "run"
     return results

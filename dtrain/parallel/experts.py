@@ -141,12 +141,12 @@ def experts_forward(
     mesh = getattr(self, EP_MESH, None)
     if is_fake(top_k_index):  # dtrain.estimate: the routing is data, which fake tensors do not hold
         out = planned_experts(self, pairs, gate_up, down, mesh)
-    elif mesh is None:
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        out = local_experts(self, pairs, counts.tolist(), gate_up, down)
     else:
         counts = torch.bincount(flat, minlength=self.num_experts)
-        out = dispatched_experts(self, pairs, counts, gate_up, down, mesh)
+        if mesh is None:
+            out = local_experts(self, pairs, counts.tolist(), gate_up, down)
+        else:
+            out = dispatched_experts(self, pairs, counts, gate_up, down, mesh)
     weighted = out * top_k_weights.reshape(-1)[order, None]
     return torch.zeros_like(hidden_states).index_add_(0, tokens, weighted.to(hidden_states.dtype))
 
