@@ -10,6 +10,9 @@ and the global-batch aux loss must all be exact."""
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from dtrain.config import ConfigError
 from dtrain.estimate import planner
 from dtrain.estimate.app import compose
 from dtrain.model import load_model_config
+from dtrain.parallel import experts
 from tests import reference
 from tests.helpers import (
     DATASET,
@@ -95,6 +99,8 @@ def runs(model_dir, model_without_aux, families, tmp_path_factory):
     out = tmp_path_factory.mktemp("moe_runs")
     args = ["--out", str(out), "--model", str(model_dir), "--model-without-aux", str(model_without_aux)]
     args += ["--families", str(next(iter(families.values())).parent)]
+    # while developing: DTRAIN_MOE_ONLY=ep2_tp2,gpt_oss runs only those (the other tests then fail)
+    args += ["--only", os.environ.get("DTRAIN_MOE_ONLY", "")]
     result = torchrun(4, *worker("moe_runs"), *args, timeout=400)
     assert result.returncode == 0, result.stdout[-6000:]
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
@@ -246,6 +252,47 @@ def test_qwen3_30b_a3b_experiment_plans_the_shipped_architecture():
     active = total - experts + experts * model_config.num_experts_per_tok // model_config.num_experts
     # the card's figures, as written (to the digit shown): 30.53 B and 3.35 B here
     assert 30.5e9 <= total < 30.6e9 and 3.3e9 <= active < 3.4e9, (total, active)
+
+
+EXPERT_MODULES = {
+    "qwen3_moe": (
+        "transformers.models.qwen3_moe.modeling_qwen3_moe",
+        "Qwen3MoeExperts",
+        "moe_intermediate_size",
+    ),
+    "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts", "intermediate_size"),
+}
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+@pytest.mark.parametrize("family", list(EXPERT_MODULES))
+def test_local_experts_equal_hf_eager_with_empty_experts(family, grouped, monkeypatch):
+    """dtrain's experts function at ep = 1 on both kernels (torch's grouped_mm, which the rule picks
+    on CPU at these sizes, and the loop of matmuls it takes where grouped_mm has no kernel) against
+    HF's own eager loop of the same module: outputs and gradients of the input, the weights and
+    (GPT-OSS: transposed layout, biases, its clamped gate) the biases, with experts 1 and 5 given no
+    token (empty groups)."""
+    module_path, class_name, size_key = EXPERT_MODULES[family]
+    config = AutoConfig.for_model(family, hidden_size=64, num_experts=8, **{size_key: 32})
+    config._experts_implementation = "eager"  # HF's own forward of the class
+    torch.manual_seed(0)
+    module = getattr(importlib.import_module(module_path), class_name)(config)
+    for param in module.parameters():
+        param.data.normal_(0, 0.3)
+    assert experts.grouped_mm_runs(experts.local_weights(module))  # the rule's choice here
+    monkeypatch.setattr(experts, "grouped_mm_runs", lambda weights: grouped)
+    hidden = torch.randn(24, 64, requires_grad=True)
+    scores = torch.randn(24, 8).index_fill(1, torch.tensor([1, 5]), float("-inf"))
+    weights, index = torch.softmax(scores, -1).topk(2, dim=-1)
+    cotangent = torch.randn(24, 64)
+    results = []
+    for forward in (module.forward, functools.partial(experts.experts_forward, module)):
+        out = forward(hidden, index, weights)
+        inputs = [hidden, *module.parameters()]
+        results.append([out, *torch.autograd.grad(out, inputs, cotangent)])
+    names = ["output", "input grad", *(name + " grad" for name, _ in module.named_parameters())]
+    for name, ours, theirs in zip(names, results[1], results[0], strict=True):
+        assert_close(ours, theirs, RTOL * theirs.abs().max().item(), f"{family} {name}")
 
 
 def moe_model_config():

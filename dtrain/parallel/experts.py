@@ -25,7 +25,7 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -90,16 +90,14 @@ def expert_placements(ep: int, tp: int) -> list:
 
 def shard_experts(model: nn.Module, parallel: Any) -> None:
     """Split each layer's experts over ep (Shard(0)) and replicate them over tp, on the meta device
-    before TP and FSDP; at ep = tp = 1 they stay plain, FSDP-sharded like any weight."""
+    before TP and FSDP; at ep = tp = 1 they stay plain, FSDP-sharded like any weight. Expert biases
+    (GPT-OSS: [E, 2I] and [E, H]) are split as their weights: each rank holds its experts' rows."""
     ep, tp = parallel.ep_size, parallel.tp_size
     mesh = parallel["ep_tp"] if ep > 1 else parallel["tp"] if tp > 1 else None
     placements = expert_placements(ep, tp)
     for _, module in experts_modules(model):
-        if module.has_bias or module.is_transposed or not module.has_gate:
-            raise ConfigError(
-                f"{type(module).__name__}: experts with biases, transposed or without a gate are not "
-                "supported yet"
-            )
+        if not module.has_gate:
+            raise ConfigError(f"{type(module).__name__}: experts without a gate projection are not supported")
         setattr(module, EP_MESH, parallel["ep"] if ep > 1 else None)
         if mesh is None:
             continue
@@ -125,6 +123,25 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local(grad_placements=grads)
 
 
+class LocalWeights(NamedTuple):
+    """This rank's experts in HF's layout, as plain tensors (`_local`): gate_up [E, 2I, H] and down
+    [E, H, I], or [E, H, 2I] and [E, I, H] when `transposed` (GPT-OSS); biases [E, 2I] and [E, H]."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    transposed: bool
+
+
+def local_weights(module: nn.Module) -> LocalWeights:
+    biases = (module.gate_up_proj_bias, module.down_proj_bias) if module.has_bias else (None, None)
+    gate_up_bias, down_bias = (None if bias is None else _local(bias) for bias in biases)
+    return LocalWeights(
+        _local(module.gate_up_proj), _local(module.down_proj), gate_up_bias, down_bias, module.is_transposed
+    )
+
+
 def experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
@@ -137,43 +154,89 @@ def experts_forward(
     order = torch.argsort(flat, stable=True)
     tokens = order // top_k
     pairs = hidden_states[tokens]
-    gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+    weights = local_weights(self)
     mesh = getattr(self, EP_MESH, None)
     if is_fake(top_k_index):  # dtrain.estimate: the routing is data, which fake tensors do not hold
-        out = planned_experts(self, pairs, gate_up, down, mesh)
+        out = planned_experts(self, pairs, weights, mesh)
     else:
         counts = torch.bincount(flat, minlength=self.num_experts)
         if mesh is None:
-            out = local_experts(self, pairs, counts.tolist(), gate_up, down)
+            out = local_experts(self, pairs, counts.tolist(), weights)
         else:
-            out = dispatched_experts(self, pairs, counts, gate_up, down, mesh)
+            out = dispatched_experts(self, pairs, counts, weights, mesh)
     weighted = out * top_k_weights.reshape(-1)[order, None]
     return torch.zeros_like(hidden_states).index_add_(0, tokens, weighted.to(hidden_states.dtype))
 
 
+def grouped_mm_runs(weights: LocalWeights) -> bool:
+    """Which kernel computes the local experts, by one rule: torch's grouped_mm (every expert in one
+    call) where it has a kernel for the weights' device and dtype, a loop of one matmul per expert
+    elsewhere. grouped_mm's kernels: CUDA in bf16 on SM >= 80 (so bf16 training on A100/H100, not
+    fp32); CPU in any float dtype whose matrix rows are multiples of 16 bytes (its kernel's stride
+    rule: hidden and intermediate sizes multiples of 4 in fp32). Both compute the same function (fp32
+    on CPU: bitwise equal, forward and backward)."""
+    gate_up = weights.gate_up
+    if gate_up.device.type == "cuda":
+        return gate_up.dtype == torch.bfloat16 and torch.cuda.get_device_capability(gate_up.device) >= (8, 0)
+    if gate_up.device.type == "cpu":
+        sizes = (*gate_up.shape[1:], *weights.down.shape[1:])
+        return all(size * gate_up.element_size() % 16 == 0 for size in sizes)
+    return False
+
+
 def local_experts(
-    module: nn.Module, rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor
+    module: nn.Module, rows: torch.Tensor, counts: list[int], weights: LocalWeights
 ) -> torch.Tensor:
-    """Rows grouped by local expert (`counts` rows each, in expert order) through their expert."""
+    """Rows grouped by local expert (`counts` rows each, in expert order) through their expert: HF's
+    x·W (+ b) per expert, then the module's own gate (`_apply_gate`: SiLU·up, or GPT-OSS's clamped
+    interleaved one), then the down projection (+ b)."""
+    if grouped_mm_runs(weights):
+        sizes = torch.tensor(counts, device=rows.device)
+        offsets = sizes.cumsum(0).to(torch.int32)
+        experts = None  # each row's expert, to add its bias
+        if weights.gate_up_bias is not None:
+            experts = torch.repeat_interleave(
+                torch.arange(len(counts), device=rows.device), sizes, output_size=rows.shape[0]
+            )
+        hidden = _grouped(rows, weights.gate_up, weights.gate_up_bias, offsets, experts, weights.transposed)
+        return _grouped(
+            module._apply_gate(hidden), weights.down, weights.down_bias, offsets, experts, weights.transposed
+        )
     outs = []
     for expert, part in enumerate(rows.split(counts)):
-        hidden = module._apply_gate(F.linear(part, gate_up[expert]))
-        outs.append(F.linear(hidden, down[expert]))
-    return torch.cat(outs) if outs else rows
+        hidden = _linear(part, weights.gate_up, weights.gate_up_bias, expert, weights.transposed)
+        outs.append(
+            _linear(module._apply_gate(hidden), weights.down, weights.down_bias, expert, weights.transposed)
+        )
+    return torch.cat(outs)
+
+
+def _grouped(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    offsets: torch.Tensor,
+    experts: torch.Tensor | None,
+    transposed: bool,
+) -> torch.Tensor:
+    out = F.grouped_mm(rows, weight if transposed else weight.transpose(-2, -1), offs=offsets)
+    return out if bias is None else out + bias[experts]
+
+
+def _linear(
+    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expert: int, transposed: bool
+) -> torch.Tensor:
+    out = rows @ weight[expert] if transposed else F.linear(rows, weight[expert])
+    return out if bias is None else out + bias[expert]
 
 
 def dispatched_experts(
-    module: nn.Module,
-    pairs: torch.Tensor,
-    counts: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    mesh: DeviceMesh,
+    module: nn.Module, pairs: torch.Tensor, counts: torch.Tensor, weights: LocalWeights, mesh: DeviceMesh
 ) -> torch.Tensor:
     """The (token, expert) rows, in global expert order, sent to the ep ranks that hold their experts
     (rank r holds experts [r·E/ep, (r+1)·E/ep): expert order is rank order), computed there and sent
     back in the same order."""
-    ranks, local = mesh.size(), gate_up.shape[0]
+    ranks, local = mesh.size(), weights.gate_up.shape[0]
     group = mesh.get_group()
     received_counts = torch.empty_like(counts)  # [source rank, local expert]: rows each sends me
     torch.distributed.all_to_all_single(received_counts, counts, group=group)
@@ -184,7 +247,7 @@ def dispatched_experts(
     # Received source by source, each in expert order: regroup by expert (source order within it).
     experts = torch.arange(local, device=counts.device).repeat(ranks)
     regroup = torch.argsort(torch.repeat_interleave(experts, received_counts.flatten()), stable=True)
-    out = local_experts(module, rows[regroup], received_counts.sum(0).tolist(), gate_up, down)
+    out = local_experts(module, rows[regroup], received_counts.sum(0).tolist(), weights)
     out = out[torch.argsort(regroup)]  # back to source order
     return all_to_all_single_autograd(out, send, receive, mesh)
 
@@ -195,7 +258,7 @@ def _even(total: int, parts: int) -> list[int]:
 
 
 def planned_experts(
-    module: nn.Module, pairs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, mesh: DeviceMesh | None
+    module: nn.Module, pairs: torch.Tensor, weights: LocalWeights, mesh: DeviceMesh | None
 ) -> torch.Tensor:
     """The planner's path (fake tensors: how many tokens each expert gets is data). The same
     operations and buffers as the real path under a planned routing: at ep = 1 the (token, expert)
@@ -203,15 +266,15 @@ def planned_experts(
     ep > 1 this rank receives PLAN_IMBALANCE × the mean rows (what the busiest ep rank receives when
     routing is that unbalanced), evenly from each source, for its experts evenly, and sends back
     what it received."""
-    local = gate_up.shape[0]
+    local = weights.gate_up.shape[0]
     if mesh is None:
-        return local_experts(module, pairs, _even(pairs.shape[0], local), gate_up, down)
+        return local_experts(module, pairs, _even(pairs.shape[0], local), weights)
     ranks = mesh.size()
     send = _even(pairs.shape[0], ranks)
     receive = _even(math.ceil(PLAN_IMBALANCE * pairs.shape[0]), ranks)
     rows = all_to_all_single_autograd(pairs, receive, send, mesh)
     regroup = torch.arange(rows.shape[0], device=rows.device)  # the real path's two permutations
-    out = local_experts(module, rows[regroup], _even(rows.shape[0], local), gate_up, down)
+    out = local_experts(module, rows[regroup], _even(rows.shape[0], local), weights)
     return all_to_all_single_autograd(out[regroup], send, receive, mesh)
 
 

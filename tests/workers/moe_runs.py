@@ -156,13 +156,22 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--model-without-aux", type=Path, required=True)
     parser.add_argument("--families", type=Path, required=True, help="a folder per MOE_FAMILIES type")
+    parser.add_argument("--only", default="", help="comma-separated run names (default: every run)")
     args = parser.parse_args()
     device = init_distributed(timeout_s=300)
-    results = {name: training_run(args.model, args.out, name, device) for name in {**SCENARIOS, **RESUMED}}
-    results |= {name: packed_run(args.model_without_aux, args.out, name, device) for name in PACKED}
-    for family in sorted(path.name for path in args.families.iterdir()):
+    wanted = set(filter(None, args.only.split(",")))
+
+    def chosen(names):
+        return [name for name in names if not wanted or name in wanted]
+
+    results = {
+        name: training_run(args.model, args.out, name, device) for name in chosen({**SCENARIOS, **RESUMED})
+    }
+    results |= {name: packed_run(args.model_without_aux, args.out, name, device) for name in chosen(PACKED)}
+    for family in chosen(sorted(path.name for path in args.families.iterdir())):
         results[family] = family_run(args.families / family, args.out, family, device)
-    results["dispatch"] = dispatch_gradients(args.model, device)
+    if chosen(["dispatch"]):
+        results["dispatch"] = dispatch_gradients(args.model, device)
     save_results(results, args.out)
 
 
