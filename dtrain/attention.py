@@ -1,6 +1,7 @@
 """dtrain's attention function, registered with transformers as `dtrain_causal`: causal attention on
 full-length `position_ids` (HF would build its mask from the local, sequence-sharded length), with the
-document mask of packed rows, sliding windows, and context parallel's gathered keys and values.
+document mask of packed rows, sliding windows, attention sinks (GPT-OSS), and context parallel's
+gathered keys and values.
 
 Two kernels compute the same function: flex attention with a block mask (CUDA: only the blocks that
 hold an allowed pair are computed) and sdpa with a dense mask (any device). Which one a model takes is
@@ -10,11 +11,13 @@ a setting made when it is built (`configure`), never a guess inside the step.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 from transformers.modeling_utils import AttentionInterface
 
@@ -79,38 +82,71 @@ def causal_attention(
     HF's `sliding_window_overlay`; a window that covers the sequence is plain causal. On CUDA packed
     rows and windows go through flex attention with a block mask (only the blocks that hold an
     allowed pair are computed); elsewhere through sdpa with a dense mask. Both compute the same
-    function."""
+    function. Attention sinks (GPT-OSS passes `s_aux`, one logit per head): see `sdpa_attention` and
+    `flex_attention_call`; with sinks every layer takes the chosen kernel, plain causal ones too."""
     check_supported(module)
+    sinks = kwargs.get("s_aux")
+    if isinstance(sinks, DTensor):  # tp > 1: this rank's heads (Shard(0), as its q heads)
+        sinks = sinks.to_local()
     context = kwargs.get(CONTEXT_KWARG)  # context parallel: this rank holds a part of each row
     if context is not None:
         window = kwargs.get("sliding_window")
         flex = backend_for(module.config, query.device) == "flex"
-        return context_attention(query, key, value, context, dropout, scaling, window, flex)
+        return context_attention(query, key, value, context, dropout, scaling, window, flex, sinks)
     window = effective_window(kwargs.get("sliding_window"), query.shape[-2])
     gqa = getattr(module, "num_key_value_groups", 1) > 1
     packed = getattr(module.config, PACKED_ROWS, False)
-    if (packed or window) and backend_for(module.config, query.device) == "flex":
+    masked = packed or window or sinks is not None
+    if masked and backend_for(module.config, query.device) == "flex":
         if dropout:
             raise ValueError(
-                f"attention dropout {dropout}: flex attention (packed rows or windows on CUDA) has none"
+                f"attention dropout {dropout}: flex attention (packed rows, windows, sinks on CUDA) has none"
             )
         block_mask = kwargs.get(SLIDING_BLOCK_MASK_KWARG if window else BLOCK_MASK_KWARG)
         if block_mask is None:
             block_mask = sliding_block_mask(position_ids, window, packed) if window else None
-        out = flex_document_attention(query, key, value, position_ids, scaling, gqa, block_mask)
+        out = flex_document_attention(query, key, value, position_ids, scaling, gqa, block_mask, sinks)
     else:
-        mask = dense_mask(position_ids, packed, window) if packed or window else None
-        out = F.scaled_dot_product_attention(
+        mask = dense_mask(position_ids, packed, window) if masked else None
+        out = sdpa_attention(query, key, value, mask, dropout, scaling, gqa, sinks)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def sdpa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout: float,
+    scale: float | None,
+    gqa: bool,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sdpa under a boolean `mask` (None: causal). With `sinks` ([heads]), HF's eager attention sinks:
+    the softmax runs over each query's scores and its head's sink logit, and the sink's share is
+    dropped. Here: one more key whose key and value are zero, so its score is 0 and adds nothing to
+    the output, with the additive mask value of that column the head's sink."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(
             query,
             key,
             value,
             attn_mask=mask,
             dropout_p=dropout,
             is_causal=mask is None,
-            scale=scaling,
+            scale=scale,
             enable_gqa=gqa,
         )
-    return out.transpose(1, 2).contiguous(), None
+    key, value = F.pad(key, (0, 0, 0, 1)), F.pad(value, (0, 0, 0, 1))  # one zero key and value per head
+    batch, heads, queries = mask.shape[0], query.shape[1], query.shape[2]
+    scores_mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~mask, float("-inf")
+    )
+    sink_column = sinks.to(query.dtype)[None, :, None, None].expand(batch, heads, queries, 1)
+    additive = torch.cat([scores_mask.expand(batch, heads, queries, -1), sink_column], dim=-1)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=additive, dropout_p=dropout, scale=scale, enable_gqa=gqa
+    )
 
 
 def context_attention(
@@ -122,6 +158,7 @@ def context_attention(
     scale: float | None,
     window: int | None,
     flex: bool,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
     """Context parallel: this rank's queries against the whole row's keys and values, gathered over
     cp, under the causal, document and window mask of the global token indices (parallel/context.py)."""
@@ -133,12 +170,9 @@ def context_attention(
             raise ValueError(
                 f"attention dropout {dropout}: flex attention (context parallel on CUDA) has none"
             )
-        out = flex_attention_call(query, key, value, context.block_mask(window), scale, gqa)
+        out = flex_attention_call(query, key, value, context.block_mask(window), scale, gqa, sinks)
     else:
-        mask = context.mask(window)
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
-        )
+        out = sdpa_attention(query, key, value, context.mask(window), dropout, scale, gqa, sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -256,11 +290,12 @@ def flex_document_attention(
     scale: float | None,
     gqa: bool,
     block_mask: Any = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[batch, heads, seq, head_dim] attention within documents, as sdpa with document_mask gives."""
     if block_mask is None:
         block_mask = document_block_mask(position_ids)
-    return flex_attention_call(query, key, value, block_mask, scale, gqa)
+    return flex_attention_call(query, key, value, block_mask, scale, gqa, sinks)
 
 
 def flex_attention_call(
@@ -270,19 +305,35 @@ def flex_attention_call(
     block_mask: Any,
     scale: float | None,
     gqa: bool,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Compiled on CUDA (inside a compiled layer, dynamo compiles the call itself); elsewhere torch's
     eager reference implementation, forward and backward (the CPU tests compare it with sdpa; the
-    planner runs CUDA's kernel on fake CPU tensors through it)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    planner runs CUDA's kernel on fake CPU tensors through it). With `sinks` ([heads]: HF's eager
+    attention sinks) the output is rescaled by the share the scores keep next to the sink logit:
+    exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), lse each query's logsumexp of its
+    scores (its gradient flows through lse)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     if torch.compiler.is_compiling():
         attend = flex_attention
     elif query.is_cuda:
         attend = _compiled_flex_attention()
     else:
-        return _reference_flex_attention(query, key, value, block_mask, scale)
-    return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        out, lse = _reference_flex_attention(query, key, value, block_mask, scale)
+        return out if sinks is None else _sink_rescaled(out, lse, sinks)
+    if sinks is None:
+        return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    out, aux = attend(
+        query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
+    )
+    return _sink_rescaled(out, aux.lse, sinks)
+
+
+def _sink_rescaled(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """out [batch, heads, seq, dim] · sigmoid(lse [batch, heads, seq] - the head's sink)."""
+    share = torch.sigmoid(lse.float() - sinks.float()[None, :, None])
+    return out * share[..., None].to(out.dtype)
 
 
 def _no_score_mod(score: torch.Tensor, batch: Any, head: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
@@ -295,12 +346,13 @@ def _reference_flex_attention(
     """torch's flex attention operator called directly, as `flex_attention` calls it uncompiled, minus
     that function's refusal of a backward on CPU: the operator has one (its eager implementation; on
     fake tensors, the outputs and gradients CUDA's kernels allocate: no scores matrix). It takes
-    grouped-query heads as they come."""
+    grouped-query heads as they come. Returns the output and each query's logsumexp (natural log:
+    the operator's is base 2, which `flex_attention` converts as here)."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_operator
 
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    out, _, _ = flex_operator(query, key, value, _no_score_mod, block_mask.as_tuple(), scale, {})
-    return out
+    out, lse, _ = flex_operator(query, key, value, _no_score_mod, block_mask.as_tuple(), scale, {})
+    return out, lse * math.log(2.0)
 
 
 # No mask function is registered for ATTENTION: HF then skips mask creation altogether (its path for

@@ -528,10 +528,29 @@ def save_tiny_moe(folder: Path, seed: int = 0, aux_loss: bool = True) -> Path:
 
 
 # The other stacked-experts families on TINY, with HF's aux loss as TINY_MOE: Mixtral (Llama's
-# attention with GQA, normalised top-2 weights), OLMoE (whole-width q/k norms, weights not normalised).
+# attention with GQA, normalised top-2 weights), OLMoE (whole-width q/k norms, weights not normalised),
+# GPT-OSS (transposed experts with biases and a clamped interleaved gate, a router with a bias, q/k/v/o
+# biases, attention sinks, sliding-window layers (window 8 < MAX_LEN) alternating with full ones).
 MOE_FAMILIES = {
     "mixtral": dict(num_key_value_heads=2, num_local_experts=8, tie_word_embeddings=False),
     "olmoe": dict(num_experts=8, norm_topk_prob=False, tie_word_embeddings=False),
+    "gpt_oss": dict(
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        intermediate_size=32,
+        sliding_window=8,
+        # GPT-OSS's YaRN, stretching 32 positions to TINY's 64
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=2.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=32,
+        ),
+    ),
 }
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from filelock import FileLock
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 IGNORE = -100  # the label torch's cross_entropy and HF ignore
 
@@ -266,8 +266,19 @@ def reference_run(model_dir: Path, data: Data, recipe: Recipe) -> dict:
         torch.set_num_threads(threads)
 
 
+# Families whose attention HF computes in its eager implementation only: GPT-OSS's attention sinks
+# (its model class refuses sdpa).
+EAGER_ATTENTION = {"gpt_oss"}
+
+
+def attention_implementation(model_dir: Path) -> str:
+    return "eager" if AutoConfig.from_pretrained(model_dir).model_type in EAGER_ATTENTION else "sdpa"
+
+
 def _train(model_dir: Path, data: Data, recipe: Recipe) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=attention_implementation(model_dir)
+    )
     matrices = [p for p in model.parameters() if p.ndim >= 2]
     vectors = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(

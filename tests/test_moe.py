@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from dtrain import attention
 from dtrain.checks import check_config
 from dtrain.config import ConfigError
 from dtrain.estimate import planner
@@ -293,6 +294,57 @@ def test_local_experts_equal_hf_eager_with_empty_experts(family, grouped, monkey
     names = ["output", "input grad", *(name + " grad" for name, _ in module.named_parameters())]
     for name, ours, theirs in zip(names, results[1], results[0], strict=True):
         assert_close(ours, theirs, RTOL * theirs.abs().max().item(), f"{family} {name}")
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_attention_sinks_equal_hf_eager_attention(backend, window):
+    """GPT-OSS's attention sinks through dtrain's attention function (both kernels; flex on CPU runs
+    torch's eager flex operator, forward and backward) against HF's own eager GPT-OSS attention on
+    random tensors: packed rows (position_ids restart at each document) under HF's additive mask,
+    built here from the documents, causality and the window. Outputs and the gradients of q, k, v and
+    the sinks."""
+    from transformers.models.gpt_oss import modeling_gpt_oss as hf
+
+    config = AutoConfig.for_model(
+        "gpt_oss", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
+    torch.manual_seed(0)
+    module = hf.GptOssAttention(config, layer_idx=0)
+    module.sinks.data.normal_(0, 1.0)
+    attention.configure(module.config, packed=True, backend=backend)
+    batch, seq = 2, 12
+    query = torch.randn(batch, 4, seq, 16, requires_grad=True)
+    key, value = (torch.randn(batch, 2, seq, 16, requires_grad=True) for _ in range(2))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    starts = (positions == 0).cumsum(-1)
+    index = torch.arange(seq)
+    allowed = (index[None, :, None] >= index[None, None, :]) & (starts[:, :, None] == starts[:, None, :])
+    if window is not None:
+        allowed &= index[None, :, None] - index[None, None, :] < window
+    additive = torch.zeros(batch, 1, seq, seq).masked_fill(~allowed[:, None], float("-inf"))
+    inputs = [query, key, value, module.sinks]
+    cotangent = torch.randn(batch, seq, 4, 16)
+    theirs, _ = hf.eager_attention_forward(module, query, key, value, additive, scaling=module.scaling)
+    ours, _ = attention.causal_attention(
+        module,
+        query,
+        key,
+        value,
+        None,
+        scaling=module.scaling,
+        position_ids=positions,
+        sliding_window=window,
+        s_aux=module.sinks,
+    )
+    assert_close(ours, theirs, 1e-6, f"{backend} output")
+    for name, mine, hfs in zip(
+        ["q", "k", "v", "sinks"],
+        torch.autograd.grad(ours, inputs, cotangent),
+        torch.autograd.grad(theirs, inputs, cotangent),
+        strict=True,
+    ):
+        assert_close(mine, hfs, 1e-6 * max(1.0, hfs.abs().max().item()), f"{backend} {name} grad")
 
 
 def moe_model_config():

@@ -52,8 +52,16 @@ from dtrain.config import ConfigError
 
 EXPERTS = "dtrain_experts"
 # model_type → the config key of the expert count. Families whose experts transformers stacks as
-# gate_up_proj [E, 2I, H] and down_proj [E, H, I], without biases.
-STACKED_EXPERTS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts", "olmoe": "num_experts"}
+# gate_up_proj [E, 2I, H] and down_proj [E, H, I] (GPT-OSS: transposed, [E, H, 2I] and [E, I, H], with
+# biases [E, 2I] and [E, H]).
+STACKED_EXPERTS = {
+    "qwen3_moe": "num_experts",
+    "mixtral": "num_local_experts",
+    "olmoe": "num_experts",
+    "gpt_oss": "num_local_experts",
+}
+# The router module beside `experts` where it is not called `gate` (GPT-OSS's has a bias too).
+ROUTERS = {"gpt_oss": "router"}
 # The routing dtrain.estimate plans at ep > 1 (docs/estimate.md): the busiest ep rank receives this
 # many times the mean (token, expert) rows; 1.0 is perfect balance. Fine-tuning with the aux loss
 # keeps the per-layer expert load (metrics.jsonl's expert_load) mostly under it; a run's logged
@@ -317,14 +325,16 @@ def _to_local_tokens(module: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, .
     return tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
 
 
-def sparse_layer_plan(dense: Callable[[bool], dict[str, ParallelStyle]]) -> Callable[[bool], dict]:
+def sparse_layer_plan(
+    dense: Callable[[bool], dict[str, ParallelStyle]], router: str = "gate"
+) -> Callable[[bool], dict]:
     """A family's TP layer plan with its MLP styles replaced by the sparse block's: the block works on
-    this tp rank's sequence-parallel tokens, the router replicated over tp (the experts are replicated
-    over tp by shard_experts)."""
+    this tp rank's sequence-parallel tokens, the router (`mlp.<router>`, its bias too) replicated over
+    tp (the experts are replicated over tp by shard_experts)."""
 
     def layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         plan = {key: style for key, style in dense(sequence_parallel).items() if key.split(".")[0] != "mlp"}
-        return plan | {"mlp": SequenceShardedBlock(), "mlp.gate": TokenShardedRouter()}
+        return plan | {"mlp": SequenceShardedBlock(), f"mlp.{router}": TokenShardedRouter()}
 
     return layer_plan
 
@@ -405,9 +415,10 @@ class RouterStats:
 
     @classmethod
     def attach(cls, model: nn.Module) -> RouterStats | None:
-        """Hooks on every router (the experts' sibling `gate`); None for a model without experts."""
-        modules = dict(model.named_modules())
-        routers = [modules[name.rsplit(".", 1)[0] + ".gate"] for name, _ in experts_modules(model)]
+        """Hooks on every router (the experts' sibling `gate`, or ROUTERS' name); None for a model
+        without experts."""
+        modules, router = dict(model.named_modules()), ROUTERS.get(model.config.model_type, "gate")
+        routers = [modules[f"{name.rsplit('.', 1)[0]}.{router}"] for name, _ in experts_modules(model)]
         return cls(model, routers) if routers else None
 
     def begin_step(self, device: torch.device) -> None:

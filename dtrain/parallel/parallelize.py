@@ -32,6 +32,7 @@ TP_PLANS = {
     "qwen3_moe": moe.QWEN3_MOE,
     "mixtral": moe.MIXTRAL,
     "olmoe": moe.OLMOE,
+    "gpt_oss": moe.GPT_OSS,  # Llama's attention with biases and per-head sinks
     "gemma3_text": gemma3,
     "olmo2": olmo2,
     "olmo3": olmo2,
