@@ -235,6 +235,13 @@ def check_expert_parallel(model_config: Any, shape: MeshShape, parallel: Paralle
             f"model router_jitter_noise={jitter}: random noise on the router's input is not supported "
             "(set +model.config.router_jitter_noise=0)"
         )
+    quantization = getattr(model_config, "quantization_config", None)
+    if quantization:  # GPT-OSS's published experts are MXFP4
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ConfigError(
+            f"model quantization_config ({method}): dtrain trains unquantized weights; "
+            "use a bf16 or fp32 copy of the checkpoint"
+        )
     count = experts.num_experts(model_config)
     if count % shape.ep:
         raise ConfigError(f"parallel.ep={shape.ep} does not divide the model's {count} experts")

@@ -1,5 +1,6 @@
 """Mixture of experts with expert parallel (parallel.ep) against a single-process Hugging Face
-reference: a tiny Qwen3-MoE (8 experts, top-2, HF's router aux loss on) saved by transformers.
+reference: a tiny Qwen3-MoE (8 experts, top-2, HF's router aux loss on) saved by transformers, and
+tiny Mixtral, OLMoE and GPT-OSS (helpers.MOE_FAMILIES).
 
 One torchrun at world 4 (tests/workers/moe_runs.py) trains ep = 4, ep = 2 × tp = 2 and ep = 2 ×
 dp_shard = 2 (with full activation checkpointing) through the trainer; the reference is
@@ -52,7 +53,7 @@ from tests.test_parity import (
     reference_cache_dir,
     reference_run,
 )
-from tests.workers.moe_runs import FAMILY_STEPS, moe_config
+from tests.workers.moe_runs import EXPORTED_FAMILY, FAMILY_STEPS, moe_config
 from tests.workers.moe_runs import SCENARIOS as MESHES
 
 SCENARIOS = ["ep4", "ep2_tp2", "ep2_dp2"]
@@ -140,8 +141,9 @@ def test_packed_rows_with_context_parallel_match_hf_on_each_document(
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
 def test_other_families_match_single_process_hf(runs, families, family, tmp_path_factory):
-    """Mixtral and OLMoE at ep = 2 × tp = 2 with HF's aux loss, FAMILY_STEPS steps: every step's loss,
-    aux loss and grad norm and the final weights, against the same reference."""
+    """Mixtral, OLMoE and GPT-OSS at ep = 2 × tp = 2 with HF's aux loss, FAMILY_STEPS steps: every
+    step's loss, aux loss and grad norm and the final weights, against the same reference (GPT-OSS's
+    in HF's eager attention, which computes its sinks)."""
     ref = reference_run(reference_cache_dir(tmp_path_factory), families[family], steps=FAMILY_STEPS)
     assert_moe_matches_reference(runs[family], ref, family)
     for record, aux in zip(runs[family]["history"], ref["aux_losses"], strict=True):
@@ -211,11 +213,15 @@ def test_checkpoint_at_ep2_resumes_at_another_ep_on_the_uninterrupted_curve(runs
 
 
 @pytest.mark.slow
-def test_export_loads_in_transformers_with_the_trained_logits(runs):
-    """The ep = 2 × tp = 2 run exported at its end (fp32): from_pretrained reads it and computes the
-    trained model's logits."""
-    run = runs["ep2_tp2"]
-    model = AutoModelForCausalLM.from_pretrained(run["hf"], dtype=torch.float32, attn_implementation="sdpa")
+@pytest.mark.parametrize("name", ["ep2_tp2", EXPORTED_FAMILY])
+def test_export_loads_in_transformers_with_the_trained_logits(runs, name):
+    """The ep = 2 × tp = 2 runs of Qwen3-MoE and GPT-OSS exported at their end (fp32): from_pretrained
+    reads them (GPT-OSS: stacked experts with biases, sinks) and computes the trained model's logits
+    (GPT-OSS in HF's eager attention, which has its sinks)."""
+    run = runs[name]
+    model = AutoModelForCausalLM.from_pretrained(
+        run["hf"], dtype=torch.float32, attn_implementation=reference.attention_implementation(run["hf"])
+    )
     with torch.no_grad():
         logits = model(input_ids=fixed_batch(), output_router_logits=False).logits
     assert_logits_close(logits, run["trained_logits"])
@@ -362,6 +368,7 @@ def moe_model_config():
         ("mixtral", 4, dict(dp_shard=4, ep=2), "model router_jitter_noise=0.1"),
         ("qwen3_moe", 4, dict(dp_shard=4, ep=0), "parallel.ep=0: must be >= 1"),
         ("qwen3_moe", 4, dict(dp_shard=4, ep=2, compile=True), "parallel.compile=true: mixture-of-experts"),
+        ("gpt_oss_mxfp4", 4, dict(dp_shard=4, ep=2), "model quantization_config (mxfp4"),
     ],
 )
 def test_bad_expert_parallel_configs_fail_before_launch(model_type, world, overrides, message):
@@ -374,6 +381,9 @@ def test_bad_expert_parallel_configs_fail_before_launch(model_type, world, overr
         "qwen3_moe": moe_model_config(),
         "llama": AutoConfig.for_model("llama", **TINY),
         "mixtral": AutoConfig.for_model("mixtral", **TINY, router_jitter_noise=0.1),
+        "gpt_oss_mxfp4": AutoConfig.for_model(
+            "gpt_oss", **TINY, num_local_experts=8, quantization_config={"quant_method": "mxfp4"}
+        ),
     }[model_type]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         check_config(copy.deepcopy(config), world, model_config)

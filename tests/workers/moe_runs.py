@@ -39,8 +39,10 @@ RESUMED = {"ep2_dp2_to_ep4": (4, 1, 4), "ep2_dp2_to_ep1": (4, 1, 1)}
 # packed rows, context parallel: (dp_shard, cp, ep), the model without the aux loss (the reference
 # runs packed rows document by document, so it has no aux loss over the batch's slots)
 PACKED = {"cp2_ep2": (2, 2, 2)}
-# the other families (helpers.MOE_FAMILIES) at ep = 2 × tp = 2, FAMILY_STEPS steps
+# the other families (helpers.MOE_FAMILIES) at ep = 2 × tp = 2, FAMILY_STEPS steps; this one exported
+# at its end (fp32: its stacked experts with their biases, its sinks)
 FAMILY_STEPS = 4
+EXPORTED_FAMILY = "gpt_oss"
 
 
 class DenseView:
@@ -124,11 +126,16 @@ def packed_run(model_dir: Path, out: Path, name: str, device: torch.device) -> d
 def family_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
     config = moe_config(model_dir, 2, 2, 2)
     config.train.max_steps = FAMILY_STEPS
+    if name == EXPORTED_FAMILY:
+        config.checkpoint.export_hf, config.checkpoint.export_dtype = True, "fp32"
     model_config = load_model_config(config.model)
     shape = check_config(config, dist.get_world_size(), model_config)
     result = train(config, shape, model_config, device, out / name, resolved={})
     params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
-    return {"history": result.history, "params": params}
+    saved = {"history": result.history, "params": params}
+    if name == EXPORTED_FAMILY:
+        saved["trained_logits"], saved["hf"] = full_logits(result.model), str(out / name / "hf")
+    return saved
 
 
 def dispatch_gradients(model_dir: Path, device: torch.device) -> dict:
