@@ -1,5 +1,5 @@
-"""Mixture-of-experts layers: expert parallel over the `ep` mesh axis, and the TP styles of the router
-and the sparse block.
+"""Mixture-of-experts layers: expert parallel over the `ep` mesh axis (the TP styles of the router
+and the sparse block: dtrain/parallel/moe.py).
 
 transformers 5 stores a layer's experts stacked (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`
 [E, H, I]) and computes them through its experts-function registry (`transformers.integrations.moe`).
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -40,11 +39,9 @@ from torch.distributed.tensor import (
     Partial,
     Replicate,
     Shard,
-    distribute_module,
     distribute_tensor,
 )
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.parallel import ParallelStyle
 from transformers.core_model_loading import WeightRenaming, rename_source_key
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -181,9 +178,12 @@ def grouped_mm_runs(weights: LocalWeights) -> bool:
     call) where it has a kernel for the weights' device and dtype, a loop of one matmul per expert
     elsewhere. grouped_mm's kernels: CUDA in bf16 on SM >= 80 (so bf16 training on A100/H100, not
     fp32); CPU in any float dtype whose matrix rows are multiples of 16 bytes (its kernel's stride
-    rule: hidden and intermediate sizes multiples of 4 in fp32). Both compute the same function (fp32
-    on CPU: bitwise equal, forward and backward)."""
+    rule: hidden and intermediate sizes multiples of 4 in fp32). dtrain.estimate's fake tensors plan
+    a CUDA run (grouped_mm's fake kernel takes CUDA's dtypes): bf16 there. Both compute the same
+    function (fp32 on CPU: bitwise equal, forward and backward)."""
     gate_up = weights.gate_up
+    if is_fake(gate_up):
+        return gate_up.dtype == torch.bfloat16
     if gate_up.device.type == "cuda":
         return gate_up.dtype == torch.bfloat16 and torch.cuda.get_device_capability(gate_up.device) >= (8, 0)
     if gate_up.device.type == "cpu":
@@ -287,56 +287,6 @@ def planned_experts(
 
 
 ALL_EXPERTS_FUNCTIONS.register(EXPERTS, experts_forward)
-
-
-class TokenShardedRouter(ParallelStyle):
-    """The router at tp > 1: its weight replicated over tp, its input this tp rank's tokens (marked
-    Shard(0) over tp, so the weight's gradient is summed over every rank's tokens); its outputs (logits,
-    weights, expert indices) this rank's, as plain tensors."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, input_fn=_tokens_to_shards, output_fn=_outputs_to_local)
-
-
-def _tokens_to_shards(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-    return tuple(
-        DTensor.from_local(x.reshape(-1, x.shape[-1]), mesh, [Shard(0)], run_check=False)
-        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
-        else x
-        for x in inputs
-    )
-
-
-def _outputs_to_local(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
-    return tuple(x.to_local() if isinstance(x, DTensor) else x for x in outputs)
-
-
-class SequenceShardedBlock(ParallelStyle):
-    """The sparse MoE block at tp > 1 with sequence parallel: it takes the norm's sequence-sharded
-    output and works on this tp rank's tokens as a plain tensor; its output is this rank's part of
-    the sequence, as the residual stream is."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(_to_local_tokens)
-        return module
-
-
-def _to_local_tokens(module: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
-
-
-def sparse_layer_plan(
-    dense: Callable[[bool], dict[str, ParallelStyle]], router: str = "gate"
-) -> Callable[[bool], dict]:
-    """A family's TP layer plan with its MLP styles replaced by the sparse block's: the block works on
-    this tp rank's sequence-parallel tokens, the router (`mlp.<router>`, its bias too) replicated over
-    tp (the experts are replicated over tp by shard_experts)."""
-
-    def layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-        plan = {key: style for key, style in dense(sequence_parallel).items() if key.split(".")[0] != "mlp"}
-        return plan | {"mlp": SequenceShardedBlock(), f"mlp.{router}": TokenShardedRouter()}
-
-    return layer_plan
 
 
 def load_stacked(
