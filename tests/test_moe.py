@@ -28,6 +28,7 @@ from dtrain.estimate import planner
 from dtrain.estimate.app import compose
 from dtrain.model import load_model_config
 from dtrain.parallel import experts
+from dtrain.parallel.context import CONTEXT_KWARG, ContextShard, document_ids, local_token_indices
 from tests import reference
 from tests.helpers import (
     DATASET,
@@ -302,14 +303,29 @@ def test_local_experts_equal_hf_eager_with_empty_experts(family, grouped, monkey
         assert_close(ours, theirs, RTOL * theirs.abs().max().item(), f"{family} {name}")
 
 
+class WholeRowShard(ContextShard):
+    """Context parallel rank 1 of 2 without a process group: `gather` hands over the whole row's keys
+    and values (the all-gather's result) instead of collecting them over cp."""
+
+    def __init__(self, position_ids: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        seq = position_ids.shape[1]
+        super().__init__(None, local_token_indices(seq, 2, 1), document_ids(position_ids), torch.arange(seq))
+        self.rows = [key, value]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rows.pop(0)
+
+
+@pytest.mark.parametrize("context", [False, True], ids=["rows", "cp_rank1"])
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_attention_sinks_equal_hf_eager_attention(backend, window):
+def test_attention_sinks_equal_hf_eager_attention(backend, window, context):
     """GPT-OSS's attention sinks through dtrain's attention function (both kernels; flex on CPU runs
     torch's eager flex operator, forward and backward) against HF's own eager GPT-OSS attention on
     random tensors: packed rows (position_ids restart at each document) under HF's additive mask,
-    built here from the documents, causality and the window. Outputs and the gradients of q, k, v and
-    the sinks."""
+    built here from the documents, causality and the window; and context parallel's path, the
+    queries of cp rank 1 of 2 (chunks 1 and 2 of 4) against the whole row (WholeRowShard), compared
+    with HF's rows of those queries. Outputs and the gradients of q, k, v and the sinks."""
     from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
     config = AutoConfig.for_model(
@@ -330,20 +346,21 @@ def test_attention_sinks_equal_hf_eager_attention(backend, window):
         allowed &= index[None, :, None] - index[None, None, :] < window
     additive = torch.zeros(batch, 1, seq, seq).masked_fill(~allowed[:, None], float("-inf"))
     inputs = [query, key, value, module.sinks]
-    cotangent = torch.randn(batch, seq, 4, 16)
     theirs, _ = hf.eager_attention_forward(module, query, key, value, additive, scaling=module.scaling)
-    ours, _ = attention.causal_attention(
-        module,
-        query,
-        key,
-        value,
-        None,
-        scaling=module.scaling,
-        position_ids=positions,
-        sliding_window=window,
-        s_aux=module.sinks,
-    )
+    kwargs = dict(scaling=module.scaling, sliding_window=window, s_aux=module.sinks)
+    if context:
+        rows = local_token_indices(seq, 2, 1)  # the local tokens' global indices
+        shard = WholeRowShard(positions, key, value)
+        q, k, v = (x.index_select(2, rows) for x in (query, key, value))
+        kwargs[CONTEXT_KWARG] = shard
+        ours, _ = attention.causal_attention(module, q, k, v, None, position_ids=positions[:, rows], **kwargs)
+        theirs = theirs.index_select(1, rows)
+    else:
+        ours, _ = attention.causal_attention(
+            module, query, key, value, None, position_ids=positions, **kwargs
+        )
     assert_close(ours, theirs, 1e-6, f"{backend} output")
+    cotangent = torch.randn(theirs.shape)
     for name, mine, hfs in zip(
         ["q", "k", "v", "sinks"],
         torch.autograd.grad(ours, inputs, cotangent),
