@@ -10,9 +10,26 @@ from __future__ import annotations
 
 SLOW_S = 5.0
 _seconds: dict[str, float] = {}
-# The files whose module fixtures run longest (a torchrun of many scenarios, a real run beside the
-# planner's): first, so that neither of ./scripts/test.sh's two workers is left alone with one at the end.
-LONGEST_FIRST = ("test_parity.py", "test_estimate.py", "test_hsdp.py")
+# The files that take longest (a launch of many scenarios, a real run beside the planner's, the
+# signal tests' waits), longest first as measured on 2 cores: each of ./scripts/test.sh's two workers
+# takes the next file when it is done, so the suite ends on short files, neither worker left alone
+# with a long one.
+LONGEST_FIRST = (
+    "test_lora.py",
+    "test_parity.py",
+    "test_estimate.py",
+    "test_lifecycle.py",
+    "test_readme.py",
+    "test_checkpoint.py",
+    "test_perf.py",
+    "test_reliability.py",
+    "test_hsdp.py",
+    "test_moe.py",
+    "test_launch.py",
+    "test_metrics.py",
+    "test_gpu_scripts.py",
+    "test_fused_loss.py",
+)
 
 
 def pytest_collection_modifyitems(items: list) -> None:

@@ -239,6 +239,17 @@ def torchrun(
     return run(command, timeout=timeout, env=env)
 
 
+def run_worker(nproc: int, name: str, *args: str, timeout: float = 600, env: dict | None = None):
+    """tests/workers/NAME.py's main() on `nproc` ranks of one gloo process group, forked after its
+    imports (tests/workers/forked.py: torchrun's environment, without an interpreter's start-up per
+    rank). stdout+stderr in .stdout."""
+    return run(
+        [sys.executable, "-m", "tests.workers.forked", str(nproc), f"tests.workers.{name}", *args],
+        timeout=timeout,
+        env=env,
+    )
+
+
 def run_in_one_interpreter(folder: Path, commands: dict[str, list[str]], world: int = 1, env=None) -> dict:
     """`python -m dtrain.sft ARGS` for each of `commands` ({name: args}) in one interpreter
     (tests/workers/cli_many), as one rank of a `world`-process torchrun (WORLD_SIZE, RANK=0): for

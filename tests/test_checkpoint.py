@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dtrain.checkpoint import COMPLETE, find_resume_path
 from dtrain.config import CheckpointConfig, ConfigError
-from tests.helpers import fixed_batch, read_metrics, run, save_tiny_llama, torchrun, worker
+from tests.helpers import fixed_batch, read_metrics, run, run_worker, save_tiny_llama, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def runs(tmp_path_factory):
     save_tiny_llama(root / "sharded", tied=False, seed=3, max_shard_size="100KB")
     args = ["--out", str(root), "--untied", str(untied), "--tied", str(tied)]
     for nproc in (4, 1):
-        result = torchrun(nproc, *worker("checkpoint_runs"), *args)
+        result = run_worker(nproc, "checkpoint_runs", *args)
         assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
     saved = {path.stem: torch.load(path) for path in root.glob("*.pt")}
     return root, saved

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.estimate_scenarios import SCENARIOS, WORLD
-from tests.helpers import ROOT, read_metrics, torchrun, worker
+from tests.helpers import ROOT, read_metrics, torchrun
 
 ESTIMATE = [sys.executable, "-m", "dtrain.estimate"]
 SCENARIO_PLAN = [sys.executable, "-m", "tests.estimate_scenarios"]
@@ -68,10 +68,9 @@ def runs(tmp_path_factory):
             [
                 sys.executable,
                 "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={WORLD}",
-                *worker("estimate_real"),
+                "tests.workers.forked",
+                str(WORLD),
+                "tests.workers.estimate_real",
                 "--out",
                 str(out),
             ]

@@ -14,7 +14,7 @@ from dtrain.config import ConfigError
 from dtrain.estimate.app import compose
 from dtrain.estimate.planner import plan
 from dtrain.model import load_model_config
-from tests.helpers import parity_config, torchrun, worker
+from tests.helpers import parity_config, run_worker, worker
 
 WORKER = worker("fused_runs")
 # The memory constant (docs/estimate.md): the loss's temporaries are at most this many fp32 logits
@@ -26,7 +26,7 @@ CHUNKS_OF_LOGITS = 2
 @pytest.mark.parametrize("nproc", [1, 4], ids=["1x1", "2x2+tied2x2"])
 def test_fused_loss_matches_the_dense_loss(tmp_path, nproc):
     done = tmp_path / "done"
-    result = torchrun(nproc, *WORKER, "--done", str(done), timeout=400)
+    result = run_worker(nproc, "fused_runs", "--done", str(done), timeout=400)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
 
 

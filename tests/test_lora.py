@@ -26,10 +26,10 @@ from tests.helpers import (
     read_metrics,
     run,
     run_in_one_interpreter,
+    run_worker,
     save_user_model,
     torchrun,
     user_rows,
-    worker,
 )
 from tests.workers.lora_runs import ALPHA, GLOBAL_BATCH, LR, MAX_LEN, SCENARIOS, STEPS, R, logit_ids
 
@@ -86,11 +86,11 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_runs(models, tmp_path_factory):
-    """Every scenario: one torchrun per world size, each sharing its process group across scenarios."""
+    """Every scenario: one launch per world size, each sharing its process group across scenarios."""
     out = tmp_path_factory.mktemp("lora_runs")
     for nproc in (1, 4):
         args = ["--out", str(out), "--models", str(models["root"]), "--data", str(models["data"])]
-        result = torchrun(nproc, *worker("lora_runs"), *args, timeout=900)
+        result = run_worker(nproc, "lora_runs", *args, timeout=900)
         assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 

@@ -2,7 +2,7 @@
 reference: a tiny Qwen3-MoE (8 experts, top-2, HF's router aux loss on) saved by transformers, and
 tiny Mixtral, OLMoE and GPT-OSS (helpers.MOE_FAMILIES).
 
-One torchrun at world 4 (tests/workers/moe_runs.py) trains ep = 4, ep = 2 × tp = 2 and ep = 2 ×
+One launch of 4 ranks (tests/workers/moe_runs.py) trains ep = 4, ep = 2 × tp = 2 and ep = 2 ×
 dp_shard = 2 (with full activation checkpointing) through the trainer; the reference is
 `from_pretrained` + a plain loop over the same global batches in one micro-batch with HF's own
 `aux_loss` added (tests/reference.py), so accumulation, the all-to-all dispatch, the expert sharding
@@ -40,10 +40,9 @@ from tests.helpers import (
     dispatch_rows,
     fixed_batch,
     parity_config,
+    run_worker,
     save_tiny_moe,
     save_tiny_moe_family,
-    torchrun,
-    worker,
 )
 from tests.test_parity import (
     LR,
@@ -104,7 +103,7 @@ def runs(model_dir, model_without_aux, families, tmp_path_factory):
     args += ["--families", str(next(iter(families.values())).parent)]
     # while developing: DTRAIN_MOE_ONLY=ep2_tp2,gpt_oss runs only those (the other tests then fail)
     args += ["--only", os.environ.get("DTRAIN_MOE_ONLY", "")]
-    result = torchrun(4, *worker("moe_runs"), *args, timeout=400)
+    result = run_worker(4, "moe_runs", *args, timeout=400)
     assert result.returncode == 0, result.stdout[-6000:]
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 

@@ -10,13 +10,13 @@ import torch
 
 from dtrain.data.packing import build_row, efficiency, pack
 from dtrain.loss import IGNORE
-from tests.helpers import torchrun, worker
+from tests.helpers import run_worker
 
 
 @pytest.mark.slow
 def test_packed_rows_on_the_mesh_match_one_by_one_and_keep_documents_apart(tmp_path):
     done = tmp_path / "done"
-    result = torchrun(4, *worker("packing_mesh"), "--done", str(done), timeout=300)
+    result = run_worker(4, "packing_mesh", "--done", str(done), timeout=300)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
 
 

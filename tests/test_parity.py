@@ -29,10 +29,9 @@ from tests.helpers import (
     fixed_batch,
     packed_documents,
     parity_config,
+    run_worker,
     save_tiny_family,
     save_tiny_llama,
-    torchrun,
-    worker,
 )
 
 RTOL = 1e-5
@@ -57,12 +56,12 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mesh_runs(models, tmp_path_factory):
-    """All scenarios: one torchrun per world size, each sharing its process group across scenarios."""
+    """All scenarios: one launch per world size, each sharing its process group across scenarios."""
     out = tmp_path_factory.mktemp("mesh_runs")
     for nproc in (1, 4):
         args = ["--out", str(out), "--untied", str(models["untied"]), "--tied", str(models["tied"])]
         args += ["--families", str(models["qwen2"].parent)]
-        result = torchrun(nproc, *worker("mesh_runs"), *args, timeout=400)
+        result = run_worker(nproc, "mesh_runs", *args, timeout=400)
         assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 

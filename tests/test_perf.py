@@ -20,7 +20,7 @@ from dtrain.config import ConfigError
 from dtrain.data.loader import Rows, SFTLoader
 from dtrain.estimate.planner import plan
 from dtrain.model import allocate, build_meta_model, init_weights, load_model_config
-from tests.helpers import MAX_LEN, ROOT, TINY, parity_config, run, torchrun, worker
+from tests.helpers import MAX_LEN, ROOT, TINY, parity_config, run, run_worker, worker
 
 WORKER = worker("perf_mesh")
 
@@ -28,7 +28,7 @@ WORKER = worker("perf_mesh")
 @pytest.mark.slow
 def test_chunked_loss_checkpointing_and_resharding_keep_the_numerics_on_2x2(tmp_path):
     done = tmp_path / "done"
-    result = torchrun(4, *WORKER, "--done", str(done), timeout=300)
+    result = run_worker(4, "perf_mesh", "--done", str(done), timeout=300)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
 
 

@@ -16,7 +16,7 @@ from dtrain.checks import check_config
 from dtrain.config import ConfigError
 from dtrain.model import build_meta_model, load_model_config
 from dtrain.parallel.vocab import mask_padded_logits, padded_vocab_size
-from tests.helpers import TINY, TOKENIZER, fixed_batch, parity_config, torchrun, worker
+from tests.helpers import TINY, TOKENIZER, fixed_batch, parity_config, run_worker
 from tests.test_parity import (
     RTOL,
     assert_logits_close,
@@ -81,7 +81,7 @@ def models(tmp_path_factory):
 def out(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("vocab_runs")
     args = ["--out", str(out), "--untied", str(models["untied"]), "--tied", str(models["tied"])]
-    result = torchrun(4, *worker("vocab_runs"), *args, timeout=400)
+    result = run_worker(4, "vocab_runs", *args, timeout=400)
     assert result.returncode == 0, result.stdout[-6000:]
     return out
 

@@ -1,4 +1,4 @@
-"""Launched by tests/test_checkpoint.py under torchrun (4 processes, then 1): an uninterrupted run
+"""Launched by tests/test_checkpoint.py by run_worker (4 processes, then 1): an uninterrupted run
 that checkpoints at step 4, resumes of that checkpoint on other meshes, exports, and a load of the
 checkpoint into another architecture, and resumes whose train.seed or data.shuffle differ from the
 checkpoint's. The HF import of the sharded folder and the fp32 export record, on every rank, how many

@@ -1,4 +1,4 @@
-"""Launched by tests/test_estimate.py under torchrun (gloo, real tensors): the planner's scenarios
+"""Launched by tests/test_estimate.py by run_worker (gloo, real tensors): the planner's scenarios
 for real. For each, the trainer's mesh, model and optimizer, a warm-up (one micro-batch and an
 optimizer step, as the planner does: AdamW's states exist from then on), then one full step (every
 micro-batch of it, on real data; with context parallel each rank's tokens of every row, as the

@@ -1,4 +1,4 @@
-"""Launched by tests/test_lora.py under torchrun: every LoRA scenario for this world size on one
+"""Launched by tests/test_lora.py by run_worker: every LoRA scenario for this world size on one
 process group, through dtrain's trainer. Rank 0 saves `<out>/<name>.pt` with the logged history, the
 trained adapters and the base weights after training (full tensors, HF / PEFT names); the pytest
 side compares them with single-process HF + peft.

@@ -1,4 +1,4 @@
-"""Launched by the tests under torchrun: every scenario for this world size on one process group.
+"""Launched by the tests by run_worker: every scenario for this world size on one process group.
 
 For each scenario rank 0 saves `<out>/<name>.pt` with the logged history and the final full
 parameters; every rank asserts the sharding invariants (a failure exits non-zero). The pytest side
@@ -19,6 +19,7 @@ from dtrain.step import local_micro_batch, summed_loss
 from dtrain.trainer import train
 from tests.helpers import (
     FAMILIES,
+    GLOBAL_BATCH,
     check_sharding,
     cross_rank_row,
     full_logits,
@@ -31,6 +32,7 @@ from tests.helpers import (
 
 EXPORT = {"checkpoint.export_hf": True, "checkpoint.export_dtype": "fp32"}
 PACKED = {"data.packing": True}
+ONE_MICRO_BATCH = {"train.micro_batch_size": GLOBAL_BATCH // 2}  # each of dp = 2 ranks: its rows at once
 # the seeded init's runs compare the two meshes' init and first losses: 3 steps say it
 SEEDED_INIT = {"train.max_steps": 3}
 # name: (dp, tp, model, overrides); model is "untied", "tied", "random" (seeded init) or a family
@@ -49,8 +51,10 @@ SCENARIOS = {
         "1x4": (1, 4, "untied", {}),
         "4x1": (4, 1, "untied", {}),
         "2x2_random": (2, 2, "random", SEEDED_INIT),
-        # every family trained, then exported at the end of training (fp32, to compare logits)
-        **{f"2x2_{family}": (2, 2, family, EXPORT) for family in FAMILIES},
+        # every family trained, then exported at the end of training (fp32, to compare logits); in
+        # one micro-batch per step (accumulation is the trainer's, the same for every family: the
+        # Llama meshes above check it)
+        **{f"2x2_{family}": (2, 2, family, {**EXPORT, **ONE_MICRO_BATCH}) for family in FAMILIES},
         # context parallel on packed rows whose documents cross the chunk borders
         "cp4": (1, 1, "untied", {"parallel.cp": 4, **PACKED}),
         "cp2_tp2": (1, 2, "untied", {"parallel.cp": 2, **PACKED}),

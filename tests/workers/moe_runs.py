@@ -1,4 +1,4 @@
-"""Launched by tests/test_moe.py under torchrun (4 processes): every expert-parallel scenario on one
+"""Launched by tests/test_moe.py by run_worker (4 processes): every expert-parallel scenario on one
 process group. Rank 0 saves `<out>/<name>.pt`: each training run's logged history and final full
 parameters, every rank's bytes of model state (counted here from the real tensors' storages, for the
 planner's test), and the expert gradients of the dispatch check; every rank asserts the sharding."""

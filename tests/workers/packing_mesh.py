@@ -1,4 +1,4 @@
-"""Launched by tests/test_packing.py under torchrun with 4 processes (gloo): the 2×2 mesh.
+"""Launched by tests/test_packing.py by run_worker with 4 processes (gloo): the 2×2 mesh.
 
 Checks, each asserting on every rank (a failure exits non-zero):
 - a packed batch gives the loss and gradients of the same documents run one by one (token mean);

@@ -1,4 +1,4 @@
-"""Launched by tests/test_perf.py: under torchrun with 4 processes (gloo), the 2×2 mesh, fp32; with
+"""Launched by tests/test_perf.py: by run_worker on 4 processes (gloo), the 2×2 mesh, fp32; with
 --single, one plain process (1×1).
 
 2×2 checks, each asserting on every rank (a failure exits non-zero):

@@ -1,4 +1,4 @@
-"""Launched by tests/test_vocab.py under torchrun (4 processes): tiny Llamas whose vocabulary tp=2
+"""Launched by tests/test_vocab.py by run_worker (4 processes): tiny Llamas whose vocabulary tp=2
 does not divide, trained on a 2x2 mesh (untied with the plain loss, tied with the chunked loss),
 resumed from the padded checkpoint on 4x1, exported at the end of training and from a checkpoint.
 Rank 0 saves `<out>/<name>.pt` with the history, the trained parameters and the trained model's
