@@ -8,6 +8,16 @@ belongs under the marker shows the first time the inner loop runs it."""
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# One thread per process, here and in everything the tests start (they inherit the variable): the
+# suite runs two pytest workers and launches of several ranks on a few cores, where a second OpenMP
+# thread per process only spins waiting for a core (measured: a tiny model's 48 training steps took
+# 7.0 s of CPU with 2 threads under load, 0.37 s with 1).
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 SLOW_S = 5.0
 _seconds: dict[str, float] = {}
 # The files that take longest (a launch of many scenarios, a real run beside the planner's, the
