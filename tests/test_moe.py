@@ -26,6 +26,7 @@ from dtrain.checks import check_config
 from dtrain.config import ConfigError
 from dtrain.estimate import planner
 from dtrain.estimate.app import compose
+from dtrain.estimate.report import verdict
 from dtrain.model import load_model_config
 from dtrain.parallel import experts
 from dtrain.parallel.context import CONTEXT_KWARG, ContextShard, document_ids, local_token_indices
@@ -259,6 +260,48 @@ def test_qwen3_30b_a3b_experiment_plans_the_shipped_architecture():
     active = total - experts + experts * model_config.num_experts_per_tok // model_config.num_experts
     # the card's figures, as written (to the digit shown): 30.53 B and 3.35 B here
     assert 30.5e9 <= total < 30.6e9 and 3.3e9 <= active < 3.4e9, (total, active)
+
+
+QWEN3_30B_A3B = ["+experiment=qwen3_moe_30b_a3b_ep8", "estimate.world_size=8"]
+
+
+@pytest.mark.slow
+def test_qwen3_30b_a3b_at_ep8_computes_an_eighth_of_the_expert_weights_of_ep1():
+    """The Qwen3-30B-A3B experiment on 8 ranks planned at ep = 8 and at ep = 1, with 2 of its 48
+    identical decoder layers (+model.config.num_hidden_layers=2: the figures per layer and per rank
+    are the full model's, at a tenth of the planning time). The persistent expert bytes per rank are
+    the same at both, 1/8 of all (FSDP shards the experts over the 8 ranks whatever ep is: ep × efsdp
+    = 8); what ep divides is what a layer computes with on a rank: at ep = 1 FSDP gathers all 128
+    experts of the layer, at ep = 8 the rank computes its own 16, exactly 1/8 (and gathers none).
+    The reference sizes are transformers' own module shapes (meta device): fp32 master weights, bf16
+    compute (the experiment's precision)."""
+    layers = [*QWEN3_30B_A3B, "+model.config.num_hidden_layers=2"]
+    planned = {ep: planner.plan(compose([*layers, f"parallel.ep={ep}"]), 8) for ep in (8, 1)}
+    model_config = load_model_config(compose(layers).model, offline=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    every_layer = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    one_layer = sum(p.numel() for p in model.model.layers[0].mlp.experts.parameters())
+    assert every_layer == 2 * one_layer and model.model.layers[0].mlp.experts.num_experts == 128
+    for ep, plan in planned.items():
+        experts = plan.layers["experts"]
+        assert experts["total"] == 4 * every_layer, ep
+        assert experts["local"] * 8 == experts["total"], ep
+    assert planned[1].layers["experts"]["computed_per_layer"] == 2 * one_layer
+    assert planned[8].layers["experts"]["computed_per_layer"] * 8 == 2 * one_layer
+
+
+@pytest.mark.slow
+def test_qwen3_30b_a3b_experiment_fits_at_ep8():
+    """The shipped experiment as is (48 layers, ep = 8 over dp_shard = 8, 80 GiB GPUs): the planner's
+    verdict is that it fits, each rank holding 1/8 of the expert weights. The whole model is planned
+    (about 20 s of CPU; a shorter model's peak is not the full model's: the test above takes 2 layers
+    for ratios only); docs/estimate.md shows this plan."""
+    config = compose(QWEN3_30B_A3B)
+    plan = planner.plan(config, 8)
+    assert (plan.shape.ep, plan.shape.dp_shard, plan.model_type) == (8, 8, "qwen3_moe")
+    assert verdict(plan.step.peak, config.estimate.gpu_memory_gib)["fits"], plan.step.peak
+    assert plan.layers["experts"]["local"] * 8 == plan.layers["experts"]["total"]
 
 
 EXPERT_MODULES = {

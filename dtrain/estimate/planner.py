@@ -33,7 +33,7 @@ from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked
 from dtrain.model import allocate, build_meta_model, build_model, load_model_config
 from dtrain.optim import build_optimizer
 from dtrain.parallel.context import shard_sequence
-from dtrain.parallel.experts import experts_modules
+from dtrain.parallel.experts import experts_modules, local_weights
 from dtrain.step import micro_step, optimizer_step
 
 CPU = torch.device("cpu")
@@ -57,7 +57,9 @@ class Plan:
     accumulation: int  # micro-batches per optimizer step
     loss_impl: str  # parallel.loss_impl as planned (auto resolved by check_config)
     step: StepMemory
-    layers: dict[str, dict[str, int]]  # embedding / lm_head: bytes on this rank and in all
+    # embedding / lm_head / experts (all layers): bytes on this rank and in all; experts also the
+    # bytes a layer computes with on this rank (_computed_expert_bytes)
+    layers: dict[str, dict[str, int]]
     tied: bool  # lm_head.weight is the embedding's
     census: ParamCensus  # the unsharded parameter counts, for the analytic comparison
     seconds: float
@@ -108,7 +110,7 @@ def masked_attention(config: Config, shape: MeshShape, model_config: object) -> 
     return config.data.packing or shape.cp > 1 or window is not None
 
 
-def _layer_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
+def _layer_bytes(model: nn.Module, computed: dict[str, int]) -> dict[str, dict[str, int]]:
     out = {}
     pairs = (("embedding", model.get_input_embeddings()), ("lm_head", model.get_output_embeddings()))
     for name, module in pairs:
@@ -117,17 +119,42 @@ def _layer_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
             "local": weight.to_local().untyped_storage().nbytes(),
             "total": weight.numel() * weight.element_size(),
         }
-    return out | _expert_bytes(model)
+    return out | _expert_bytes(model, computed)
 
 
-def _expert_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
+def _expert_bytes(model: nn.Module, computed: dict[str, int]) -> dict[str, dict[str, int]]:
     """A mixture-of-experts model's stacked expert weights, all layers: this rank's bytes (split over
-    ep and efsdp) and all; {} for a dense model."""
+    ep and efsdp) and all, and the most any layer computed with (`computed`); {} for a dense model."""
     params = [p for _, module in experts_modules(model) for p in module.parameters(recurse=False)]
     if not params:
         return {}
     local = sum((p.to_local() if isinstance(p, DTensor) else p).untyped_storage().nbytes() for p in params)
-    return {"experts": {"local": local, "total": sum(p.numel() * p.element_size() for p in params)}}
+    total = sum(p.numel() * p.element_size() for p in params)
+    return {"experts": {"local": local, "total": total, "computed_per_layer": max(computed.values())}}
+
+
+@contextlib.contextmanager
+def _computed_expert_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
+    """Bytes of the expert weights (and biases) each experts module computes with on this rank, by
+    module name: what its forward reads, after FSDP's all-gather (unsharded over efsdp, or over all of
+    dp_shard × cp at ep = 1; in the compute dtype), split over ep. The persistent shards are the same
+    at every ep (FSDP shards the rest); this is what ep divides."""
+    computed: dict[str, int] = {}
+
+    def record(name: str):  # noqa: ANN202 (a hook factory)
+        def hook(module: nn.Module, args: tuple) -> None:
+            weights = local_weights(module)  # FSDP's pre-forward hook (prepended) has unsharded them
+            tensors = (weights.gate_up, weights.down, weights.gate_up_bias, weights.down_bias)
+            computed[name] = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(record(name)) for name, module in experts_modules(model)]
+    try:
+        yield computed
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def plan(config: Config, world_size: int, attention_backend: str = CUDA_ATTENTION) -> Plan:
@@ -173,7 +200,8 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
             tokens = torch.tensor(float(train.global_batch_size * config.data.max_len))
             # Warm-up: DTensor's first run of each op, and AdamW's states, before measuring.
             loss = config.parallel.loss_impl, config.parallel.loss_chunk
-            micro_step(model, micro_batches[0], tokens, config.parallel.loss_parallel, *loss)
+            with _computed_expert_bytes(model) as computed:  # hooks only here: nothing in the tracker
+                micro_step(model, micro_batches[0], tokens, config.parallel.loss_parallel, *loss)
             optimizer_step(optimizer, params, config.optim.max_grad_norm)
             step = track_step(
                 model,
@@ -186,7 +214,7 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
                 loss_impl=config.parallel.loss_impl,
                 loss_chunk=config.parallel.loss_chunk,
             )
-            layers = _layer_bytes(model)
+            layers = _layer_bytes(model, computed)
     return Plan(
         model_type=model_config.model_type,
         num_params=params_census.total,

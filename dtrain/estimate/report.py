@@ -166,10 +166,7 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         "  (not counted: CUDA context, NCCL buffers, allocator fragmentation)",
         "",
         f"{', '.join([*plan.layers][:-1])} and {[*plan.layers][-1]} weights, {unit}: "
-        + ", ".join(
-            f"{name} {num(b['local']).strip()} per rank of {num(b['total']).strip()}"
-            for name, b in plan.layers.items()
-        )
+        + ", ".join(_layer_text(name, b, num) for name, b in plan.layers.items())
         + (" (tied: one tensor)" if plan.tied else ""),
         "",
         f"top {top} modules, {unit} in use while each ran, and the activations its forward kept",
@@ -189,6 +186,16 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
             for s in suggestions
         ]
     return "\n".join(lines)
+
+
+def _layer_text(name: str, b: dict[str, int], num: Callable[[float], str]) -> str:
+    """One weight's bytes per rank and in all; the experts' also what a layer computes with on this
+    rank (all its experts at ep = 1, gathered by FSDP; an ep-th of them at ep > 1)."""
+    text = f"{name} {num(b['local']).strip()} per rank of {num(b['total']).strip()}"
+    if "computed_per_layer" in b:
+        computed = num(b["computed_per_layer"]).strip()
+        text += f" (a layer computes with {computed} of its experts on this rank, gathered, in compute dtype)"
+    return text
 
 
 def deepspeed_table(plan: Plan, num: Callable[[float], str]) -> list[str]:
