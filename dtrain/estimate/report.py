@@ -194,7 +194,7 @@ def _layer_text(name: str, b: dict[str, int], num: Callable[[float], str]) -> st
     text = f"{name} {num(b['local']).strip()} per rank of {num(b['total']).strip()}"
     if "computed_per_layer" in b:
         computed = num(b["computed_per_layer"]).strip()
-        text += f" (a layer computes with {computed} of its experts on this rank, gathered, in compute dtype)"
+        text += f" (per layer, a rank computes with {computed}: its experts, gathered, in the compute dtype)"
     return text
 
 
