@@ -5,7 +5,7 @@ match the single-process Hugging Face reference; checkpoints reshard from HSDP t
 and from cp 2 to cp 4 and cp 1, continuing the uninterrupted curve; the TP coverage check refuses a
 Linear no plan names.
 
-All 8-process work is one torchrun launch (tests/workers/hsdp_runs.py)."""
+All 8-process work is one launch of 8 ranks (tests/workers/hsdp_runs.py, helpers.run_worker)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from dtrain.checks import mesh_shape
 from dtrain.config import ConfigError, MeshShape, ParallelConfig
-from tests.helpers import STEPS, save_tiny_llama, save_tiny_moe, torchrun, worker
+from tests.helpers import STEPS, run_worker, save_tiny_llama, save_tiny_moe
 from tests.test_moe import assert_moe_matches_reference
 from tests.test_parity import RTOL, assert_matches_reference, reference_cache_dir, reference_run
 
@@ -34,7 +34,7 @@ def runs(models, tmp_path_factory):
     args = ["--out", str(out), "--untied", str(models["untied"]), "--moe", str(models["moe"])]
     # while developing: DTRAIN_HSDP_ONLY=moe (or dense) runs only those scenarios (the other tests fail)
     args += ["--only", os.environ.get("DTRAIN_HSDP_ONLY", "")]
-    result = torchrun(8, *worker("hsdp_runs"), *args, timeout=600)
+    result = run_worker(8, "hsdp_runs", *args, timeout=600)
     assert result.returncode == 0, f"8 processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 
@@ -64,9 +64,10 @@ def test_2x2x2_matches_single_process_hf(runs, references, name, kind):
 @pytest.mark.slow
 def test_experts_over_efsdp_ep_and_tp_match_single_process_hf(runs, references):
     """The tiny Qwen3-MoE (8 experts, top-2, HF's aux loss on) at dp_shard 4 × tp 2 with ep 2, 10
-    steps of 2 micro-batches: every step's loss (with the aux loss), aux loss and grad norm and the
-    final weights against `from_pretrained` + a plain loop with HF's aux_loss, as in test_moe. The
-    worker asserted the sharding: experts Shard(0) over ep, sharded over efsdp 2, replicated over tp
+    steps (test_moe's config: one micro-batch a step here; test_moe's ep2_tp2 accumulates): every
+    step's loss (with the aux loss), aux loss and grad norm and the final weights against
+    `from_pretrained` + a plain loop with HF's aux_loss, as in test_moe. The worker asserted the
+    sharding: experts Shard(0) over ep, sharded over efsdp 2, replicated over tp
     (check_expert_sharding), the dense parameters over dp_shard 4 and tp 2 (check_sharding)."""
     run, ref = runs["moe"], references["moe"]
     assert len(run["history"]) == STEPS

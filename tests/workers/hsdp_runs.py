@@ -1,4 +1,4 @@
-"""Launched by tests/test_hsdp.py under torchrun on 8 processes, every scenario on one process group:
+"""Launched by tests/test_hsdp.py by run_worker on 8 processes, every scenario on one process group:
 
 - `hsdp`: HSDP 2×2×2 (dp_replicate, dp_shard, tp) trains the parity run, checkpointing at steps 4
   and 8; its sharding invariants are asserted on every rank.
@@ -83,9 +83,9 @@ def moe_run(model_dir: Path, out: Path, device: torch.device) -> dict:
     """MOE_MESH through the trainer: the history and final full weights, both meshes' sharding
     asserted (the dense parameters as any dense model's, the experts over efsdp, ep and tp)."""
     dp, tp, ep = MOE_MESH
-    config = moe_config(model_dir, dp, tp, ep)
-    config.train.micro_batch_size = 2  # 4 rows per dp rank: 2 micro-batches, so accumulation too
-    result = run(config, "moe", out, device)
+    # moe_config: one micro-batch of 4 rows per dp rank (accumulation with experts is test_moe's
+    # ep2_tp2; 2 micro-batches here would cost 16 s more CPU over the 8 ranks)
+    result = run(moe_config(model_dir, dp, tp, ep), "moe", out, device)
     one_backward(result.model)
     check_sharding(DenseView(result.model), result.optimizer, dp=dp, tp=tp)
     check_expert_sharding(result.model, result.optimizer, ep=ep, efsdp=dp // ep, tp=tp)
