@@ -304,6 +304,23 @@ def test_qwen3_30b_a3b_experiment_fits_at_ep8():
     assert plan.layers["experts"]["local"] * 8 == plan.layers["experts"]["total"]
 
 
+@pytest.mark.slow
+def test_suggestions_offer_expert_parallel(model_dir):
+    """A plan that does not fit (a 1-byte budget) on 2 ranks is offered ep = 2, planned in full (and
+    not fitting, as nothing does): each layer then computes with half the expert weights it computes
+    with at ep = 1. Checkpointing on and micro batch 1, so the other levers have one candidate each
+    (tp = 2, cp = 2): fewer plans."""
+    config = moe_config(model_dir, 2, 1, 1)
+    config.parallel.activation_checkpointing, config.train.micro_batch_size = "full", 1
+    plain = planner.plan(config, 2, attention_backend="sdpa")
+    suggestions = planner.suggest(config, 2, budget=1, attention_backend="sdpa")
+    assert [s.change for s in suggestions] == ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2"]
+    offered = suggestions[-1]
+    assert not offered.fits and offered.plan.shape.ep == 2
+    computed = offered.plan.layers["experts"]["computed_per_layer"]
+    assert computed * 2 == plain.layers["experts"]["computed_per_layer"]
+
+
 EXPERT_MODULES = {
     "qwen3_moe": (
         "transformers.models.qwen3_moe.modeling_qwen3_moe",
