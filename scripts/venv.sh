@@ -10,6 +10,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   if python3 -c "import torch" 2>/dev/null; then
     echo "[setup] creating $VENV (seeing the system's torch: $(python3 -c 'import torch; print(torch.__version__)'))"
     python3 -m venv --system-site-packages "$VENV"
+    # A python3 of a virtual environment (where that torch is) makes a venv that sees its base
+    # interpreter's site-packages, not the environment's: point the new venv at those too.
+    python3 -c 'import site, sys; sys.prefix != sys.base_prefix and print("\n".join(site.getsitepackages()))' \
+      > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/dtrain-outer-env.pth"
   else
     echo "[setup] creating $VENV"
     python3 -m venv "$VENV"
