@@ -8,7 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${DTRAIN_VENV:-$ROOT/.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
   if python3 -c "import torch" 2>/dev/null; then
-    echo "[setup] creating $VENV (seeing the system's torch: $(python3 -c 'import torch; print(torch.__version__)'))"
+    echo "[setup] creating $VENV (keeping python3's own torch: $(python3 -c 'import torch; print(torch.__version__)'))"
     python3 -m venv --system-site-packages "$VENV"
     # A python3 of a virtual environment (where that torch is) makes a venv that sees its base
     # interpreter's site-packages, not the environment's: point the new venv at those too.
