@@ -239,15 +239,16 @@ def torchrun(
     return run(command, timeout=timeout, env=env)
 
 
+def worker_command(nproc: int, name: str, *args: str) -> list[str]:
+    """The command that runs tests/workers/NAME.py's main() on `nproc` ranks of one gloo process
+    group, forked after its imports (tests/workers/forked.py: torchrun's environment, without an
+    interpreter's start-up per rank)."""
+    return [sys.executable, "-m", "tests.workers.forked", str(nproc), f"tests.workers.{name}", *args]
+
+
 def run_worker(nproc: int, name: str, *args: str, timeout: float = 600, env: dict | None = None):
-    """tests/workers/NAME.py's main() on `nproc` ranks of one gloo process group, forked after its
-    imports (tests/workers/forked.py: torchrun's environment, without an interpreter's start-up per
-    rank). stdout+stderr in .stdout."""
-    return run(
-        [sys.executable, "-m", "tests.workers.forked", str(nproc), f"tests.workers.{name}", *args],
-        timeout=timeout,
-        env=env,
-    )
+    """worker_command, run to its end: stdout+stderr in .stdout."""
+    return run(worker_command(nproc, name, *args), timeout=timeout, env=env)
 
 
 def run_in_one_interpreter(folder: Path, commands: dict[str, list[str]], world: int = 1, env=None) -> dict:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.estimate_scenarios import SCENARIOS, WORLD
-from tests.helpers import ROOT, read_metrics, torchrun
+from tests.helpers import ROOT, read_metrics, torchrun, worker_command
 
 ESTIMATE = [sys.executable, "-m", "dtrain.estimate"]
 SCENARIO_PLAN = [sys.executable, "-m", "tests.estimate_scenarios"]
@@ -64,17 +64,7 @@ def runs(tmp_path_factory):
     processes = {
         "table": start([*ESTIMATE, "estimate.world_size=4", "parallel.tp=4", "train.micro_batch_size=8"]),
         "json": start([*ESTIMATE, *SEED, "estimate.format=json", "estimate.suggestions=false"]),
-        "real": start(
-            [
-                sys.executable,
-                "-m",
-                "tests.workers.forked",
-                str(WORLD),
-                "tests.workers.estimate_real",
-                "--out",
-                str(out),
-            ]
-        ),
+        "real": start(worker_command(WORLD, "estimate_real", "--out", str(out))),
         # The scenarios planned with the real run's attention kernel (sdpa on a CPU), in one process.
         "plans": start(SCENARIO_PLAN),
         # Llama-3-8B at 32k: the experiment as shipped (cp=2, tp=2), and cp=1 (does not fit; its
