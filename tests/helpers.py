@@ -239,11 +239,25 @@ def torchrun(
     return run(command, timeout=timeout, env=env)
 
 
+def forked_command(nproc: int, module: str, *args: str) -> list[str]:
+    """The command that runs MODULE's main() on `nproc` ranks of one gloo process group, forked after
+    its imports (tests/workers/forked.py: torchrun's environment, without an interpreter's start-up
+    per rank)."""
+    return [sys.executable, "-m", "tests.workers.forked", str(nproc), module, *args]
+
+
 def worker_command(nproc: int, name: str, *args: str) -> list[str]:
-    """The command that runs tests/workers/NAME.py's main() on `nproc` ranks of one gloo process
-    group, forked after its imports (tests/workers/forked.py: torchrun's environment, without an
-    interpreter's start-up per rank)."""
-    return [sys.executable, "-m", "tests.workers.forked", str(nproc), f"tests.workers.{name}", *args]
+    """forked_command for tests/workers/NAME.py."""
+    return forked_command(nproc, f"tests.workers.{name}", *args)
+
+
+def sft(nproc: int, *overrides: str, timeout: float = 600, env: dict | None = None):
+    """What `torchrun --standalone --nproc_per_node=N -m dtrain.sft OVERRIDES` runs in each rank
+    (dtrain.sft's main(): Hydra's command line, the run, its exit code), in `nproc` ranks forked after
+    one import: for tests of what a run does. Tests of the launch itself (torchrun's report of each
+    worker's exit code, the ranks' log files, restarts, signals, the launch scripts) run torchrun.
+    Returns it run to its end, stdout+stderr in .stdout."""
+    return run(forked_command(nproc, "dtrain.sft", *overrides), timeout=timeout, env=env)
 
 
 def run_worker(nproc: int, name: str, *args: str, timeout: float = 600, env: dict | None = None):

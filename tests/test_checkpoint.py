@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dtrain.checkpoint import COMPLETE, find_resume_path
 from dtrain.config import CheckpointConfig, ConfigError
-from tests.helpers import fixed_batch, read_metrics, run, run_worker, save_tiny_llama, torchrun
+from tests.helpers import fixed_batch, read_metrics, run, run_worker, save_tiny_llama, sft
 
 
 @pytest.fixture(scope="module")
@@ -102,17 +102,17 @@ def test_async_saves_keep_the_newest_and_resume_exactly(tmp_path):
     """checkpoint.async_save=true: the run keeps its newest two (checkpoint.keep=2), and one of them,
     named explicitly, resumes steps 5-6 as the saving run computed them. (A save killed mid-write:
     test_lifecycle.)"""
-    args = ["-m", "dtrain.sft", "parallel.tp=1", "train.max_steps=6", "train.log_every=1"]
+    args = ["parallel.tp=1", "train.max_steps=6", "train.log_every=1"]
     args.append("checkpoint.every=2")
     reference_dir = tmp_path / "reference"
-    reference = torchrun(2, *args, "checkpoint.async_save=true", f"hydra.run.dir={reference_dir}")
+    reference = sft(2, *args, "checkpoint.async_save=true", f"hydra.run.dir={reference_dir}")
     assert reference.returncode == 0, reference.stdout[-3000:]
     kept = sorted(p.name for p in (reference_dir / "checkpoints").iterdir())
     assert kept == ["step-00000004", "step-00000006"]  # checkpoint.keep=2
     expected = read_metrics(reference_dir)
     from_async = tmp_path / "from_async"
     step4 = reference_dir / "checkpoints" / "step-00000004"
-    resumed = torchrun(2, *args, f"checkpoint.resume={step4}", f"hydra.run.dir={from_async}", timeout=300)
+    resumed = sft(2, *args, f"checkpoint.resume={step4}", f"hydra.run.dir={from_async}", timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     records = read_metrics(from_async)
     assert [r["step"] for r in records] == [5, 6]

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.estimate_scenarios import SCENARIOS, WORLD
-from tests.helpers import ROOT, read_metrics, torchrun, worker_command
+from tests.helpers import ROOT, read_metrics, sft, worker_command
 
 ESTIMATE = [sys.executable, "-m", "dtrain.estimate"]
 SCENARIO_PLAN = [sys.executable, "-m", "tests.estimate_scenarios"]
@@ -326,8 +326,8 @@ def test_auto_loss_keeps_the_embedded_default_loss_curve(tmp_path):
     here), against the same run with parallel.loss_impl=dense, the old default: the same losses
     (1e-5) over 4 steps; config.yaml and the start line say which loss ran. Both are jobs of one
     sweep (one launch, one process group: job 0 auto, job 1 dense)."""
-    args = ["-m", "dtrain.sft", "--multirun", "parallel.loss_impl=auto,dense", "train.max_steps=4"]
-    result = torchrun(2, *args, "train.log_every=1", f"hydra.sweep.dir={tmp_path}", timeout=600)
+    args = ["--multirun", "parallel.loss_impl=auto,dense", "train.max_steps=4"]
+    result = sft(2, *args, "train.log_every=1", f"hydra.sweep.dir={tmp_path}", timeout=600)
     assert result.returncode == 0, result.stdout[-4000:]
     losses = {}
     for job, (name, ran) in enumerate((("auto", "fused"), ("dense", "dense"))):

@@ -21,6 +21,7 @@ from tests.helpers import (
     reference_losses,
     run_in_one_interpreter,
     save_user_model,
+    sft,
     torchrun,
     user_rows,
     write_user_dataset,
@@ -207,7 +208,7 @@ def test_a_family_without_a_plan_trains_fsdp_only_at_tp_1(user, tmp_path):
         "checkpoint.save_final=false",
         f"hydra.run.dir={tmp_path}",
     ]
-    result = torchrun(2, *SFT, *args, timeout=300)
+    result = sft(2, *args, timeout=300)
     assert result.returncode == 0, result.stdout[-5000:]
     losses = [record["loss"] for record in read_metrics(tmp_path)]
     expected = reference_losses(user["gpt_neox"], user_rows(), steps, batch, lr)

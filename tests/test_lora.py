@@ -28,7 +28,7 @@ from tests.helpers import (
     run_in_one_interpreter,
     run_worker,
     save_user_model,
-    torchrun,
+    sft,
     user_rows,
 )
 from tests.workers.lora_runs import ALPHA, GLOBAL_BATCH, LR, MAX_LEN, SCENARIOS, STEPS, R, logit_ids
@@ -332,9 +332,6 @@ def test_dropout_masks_agree_over_tp_and_the_loss_falls(lora_runs):
     assert losses[-1] < losses[0]
 
 
-SFT = ["-m", "dtrain.sft"]
-
-
 def test_cli_tp2_lora_trains_and_exports_an_adapter_peft_loads(models, tmp_path):
     """The issue's command line at world 4 (dp 2 x tp 2): the summary gives the trainable share, and
     RUN/hf is a PEFT adapter folder whose model gives the logits the trained run's merged export does."""
@@ -352,7 +349,7 @@ def test_cli_tp2_lora_trains_and_exports_an_adapter_peft_loads(models, tmp_path)
         "checkpoint.export_dtype=fp32",
         f"hydra.run.dir={tmp_path}",
     ]
-    result = torchrun(4, *SFT, *args, timeout=400)
+    result = sft(4, *args, timeout=400)
     assert result.returncode == 0, result.stdout[-5000:]
     summary = next(line for line in result.stdout.splitlines() if "per-rank shards" in line)
     assert "M trainable (" in summary

@@ -1,13 +1,14 @@
 """Faults through the real CLI on 2 gloo processes: a rank SIGKILLed under torchrun --max-restarts,
 a poisoned (NaN) step skipped or aborting, a bad batch on one rank; each exit code as torchrun reports
-it per worker. Each compares with an uninterrupted run where a curve is involved. Signals, rerunning
-the same command and the launch scripts' exit codes: test_lifecycle.py."""
+it per worker. Each compares with an uninterrupted run where a curve is involved. The runs whose
+launcher is not what is tested (that reference, the skipped step) are dtrain.sft's main() in forked
+ranks (helpers.sft). Signals, rerunning the same command and the launch scripts' exit codes:
+test_lifecycle.py."""
 
 from __future__ import annotations
 
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -15,14 +16,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.helpers import assert_adam_state_equal, read_metrics, torchrun
+from tests.helpers import assert_adam_state_equal, read_metrics, sft, torchrun
 
 pytestmark = pytest.mark.slow  # every test launches processes
 
 STEPS = 6
+SFT = ["-m", "dtrain.sft"]
 ARGS = [
-    "-m",
-    "dtrain.sft",
     "parallel.tp=1",
     f"train.max_steps={STEPS}",
     "train.log_every=1",
@@ -35,7 +35,7 @@ ARGS = [
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("reference")
-    result = torchrun(2, *ARGS, f"hydra.run.dir={run_dir}")
+    result = sft(2, *ARGS, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stdout[-3000:]
     return read_metrics(run_dir)
 
@@ -51,6 +51,7 @@ def test_a_killed_rank_restarts_and_resumes_the_same_curve(tmp_path, reference):
     result = torchrun(
         2,
         "--max-restarts=1",
+        *SFT,
         *ARGS,
         f"hydra.run.dir={tmp_path}",
         env={"DTRAIN_TEST_KILL_AT_STEP": "4", "DTRAIN_TEST_FAULT_RANK": "1"},
@@ -60,14 +61,16 @@ def test_a_killed_rank_restarts_and_resumes_the_same_curve(tmp_path, reference):
     assert_same_curve(read_metrics(tmp_path), reference, first_step=3)
 
 
-def nan_at_step_3(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    """A run whose step 3 gets a NaN gradient (on lm_head, the last parameter), checkpointing each step."""
-    args = [*ARGS, "checkpoint.every=1", *extra, f"hydra.run.dir={run_dir}"]
-    return torchrun(2, *args, env={"DTRAIN_TEST_NAN_AT_STEP": "3"})
+NAN_AT_STEP_3 = {"DTRAIN_TEST_NAN_AT_STEP": "3"}  # a NaN gradient on lm_head, the last parameter
+
+
+def nan_at_step_3(run_dir: Path, *extra: str) -> list[str]:
+    """The overrides of a run whose step 3 gets a NaN gradient, checkpointing each step."""
+    return [*ARGS, "checkpoint.every=1", *extra, f"hydra.run.dir={run_dir}"]
 
 
 def test_a_nan_step_is_skipped_and_changes_no_weight(tmp_path):
-    result = nan_at_step_3(tmp_path, "checkpoint.keep=10")
+    result = sft(2, *nan_at_step_3(tmp_path, "checkpoint.keep=10"), env=NAN_AT_STEP_3)
     assert result.returncode == 0, result.stdout[-3000:]
     records = read_metrics(tmp_path)
     assert records[2]["step"] == 3 and records[2]["skipped_steps"] == 1
@@ -87,7 +90,7 @@ def test_a_nan_step_is_skipped_and_changes_no_weight(tmp_path):
 
 
 def test_a_nan_step_aborts_when_asked_naming_step_and_tensor(tmp_path):
-    result = nan_at_step_3(tmp_path, "train.nonfinite=abort")
+    result = torchrun(2, *SFT, *nan_at_step_3(tmp_path, "train.nonfinite=abort"), env=NAN_AT_STEP_3)
     assert result.returncode != 0
     first, codes = exit_codes(result.stdout)  # torchrun's report of each worker
     assert first == 3 and codes <= {3, -signal.SIGTERM}, result.stdout[-3000:]
@@ -108,7 +111,7 @@ def exit_codes(output: str) -> tuple[int, set[int]]:
 def test_a_bad_batch_on_one_rank_stops_every_rank_with_its_message(tmp_path):
     start = time.time()
     result = torchrun(
-        2, *ARGS, f"hydra.run.dir={tmp_path}", env={"DTRAIN_TEST_FAIL_FETCH_AT_STEP": "2"}, timeout=120
+        2, *SFT, *ARGS, f"hydra.run.dir={tmp_path}", env={"DTRAIN_TEST_FAIL_FETCH_AT_STEP": "2"}, timeout=120
     )
     assert result.returncode != 0
     # Printed by local rank 0, which did not fail itself: the ranks agreed on rank 1's error.

@@ -3,8 +3,11 @@ on NPROC processes of one gloo process group, as `torchrun --standalone --nproc_
 MODULE ARGS` would, with the imports paid once: this process imports the worker (torch,
 transformers, dtrain: about 3.5 s of CPU each), then forks the ranks.
 
-Only the tests' workers start this way: they check numerics and sharding, not the launcher; every
-command a user types is launched by torchrun in the tests (test_readme, test_lifecycle, test_launch).
+The tests' workers start this way, and so do the runs of `dtrain.sft` whose launcher is not what a
+test checks (helpers.sft: dtrain.sft's main(), Hydra's command line included). torchrun launches
+every command of the docs (test_readme), the launch scripts (test_lifecycle, test_metrics,
+test_launch) and what only torchrun does: its report of each worker's exit code, per-rank log
+files, restarts (test_reliability, test_front_door, test_data).
 Each rank gets the environment torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT); as torchrun does, a rank that fails stops the others, and the exit code is
 the first failure's. A rank dies with this process (PR_SET_PDEATHSIG): a test's timeout that kills it
