@@ -265,16 +265,25 @@ def run_worker(nproc: int, name: str, *args: str, timeout: float = 600, env: dic
     return run(worker_command(nproc, name, *args), timeout=timeout, env=env)
 
 
-def run_in_one_interpreter(folder: Path, commands: dict[str, list[str]], world: int = 1, env=None) -> dict:
-    """`python -m dtrain.sft ARGS` for each of `commands` ({name: args}) in one interpreter
-    (tests/workers/cli_many), as one rank of a `world`-process torchrun (WORLD_SIZE, RANK=0): for
-    commands refused before any process group, without an interpreter's start-up per message.
-    {name: {"returncode", "output"}}."""
+def one_interpreter_command(
+    folder: Path, commands: dict[str, list[str]], module: str = "dtrain.sft"
+) -> list[str]:
+    """The command that runs `python -m MODULE ARGS` for each of `commands` ({name: args}) in one
+    interpreter (tests/workers/cli_many), writing folder/out.json: {name: {"returncode", "stdout",
+    "stderr", "output"}}."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "commands.json").write_text(json.dumps(commands))
-    runner = [sys.executable, "-m", "tests.workers.cli_many", str(folder / "commands.json")]
+    runner = [sys.executable, "-m", "tests.workers.cli_many", module]
+    return [*runner, str(folder / "commands.json"), str(folder / "out.json")]
+
+
+def run_in_one_interpreter(folder: Path, commands: dict[str, list[str]], world: int = 1, env=None) -> dict:
+    """`python -m dtrain.sft ARGS` for each of `commands` in one interpreter (one_interpreter_command),
+    as one rank of a `world`-process torchrun (WORLD_SIZE, RANK=0): for commands refused before any
+    process group, without an interpreter's start-up per message. {name: {"returncode", "output",
+    ...}}."""
     env = {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", **(env or {})}
-    result = run([*runner, str(folder / "out.json")], timeout=300, env=env)
+    result = run(one_interpreter_command(folder, commands), timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-4000:]
     return json.loads((folder / "out.json").read_text())
 

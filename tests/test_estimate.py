@@ -16,7 +16,8 @@
   and cp=1 with the same tp: per-rank activations and logits halve, and cp=2 fits in 80 GiB; and
   the suggestions offer cp when a plan does not fit.
 
-Every process starts at once (the Llama-3-8B plan takes most of the time), then the tests read.
+Three processes start at once (the real run, the scenarios' plans, the command line's plans in one
+interpreter), then the tests read.
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ from pathlib import Path
 import pytest
 
 from tests.estimate_scenarios import SCENARIOS, WORLD
-from tests.helpers import ROOT, read_metrics, sft, worker_command
+from tests.helpers import ROOT, one_interpreter_command, read_metrics, sft, worker_command
 
-ESTIMATE = [sys.executable, "-m", "dtrain.estimate"]
 SCENARIO_PLAN = [sys.executable, "-m", "tests.estimate_scenarios"]
 SEED = ["+experiment=llama3_8b_seed", "estimate.world_size=4"]
 # The dense loss, pinned: these tests are about the logits and activations cp splits (auto would
@@ -60,53 +60,49 @@ def finish(process: subprocess.Popen, timeout: float = 900) -> str:  # a shared 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Three processes at once: the real run, the scenarios' plans, and every plan of the command line
+    (`python -m dtrain.estimate ARGS`, each the CLI's main() in one interpreter: tests/workers/cli_many,
+    no interpreter's start-up per plan)."""
     out = tmp_path_factory.mktemp("real")
+    cli = tmp_path_factory.mktemp("cli")
+    commands = {
+        "table": ["estimate.world_size=4", "parallel.tp=4", "train.micro_batch_size=8"],
+        "json": [*SEED, "estimate.format=json", "estimate.suggestions=false"],
+        # Llama-3-8B at 32k: the experiment as shipped (cp=2, tp=2), and cp=1 (does not fit; its
+        # suggestions, three more 8B plans, are not asked for here).
+        **{f"32k:cp{cp}": [*LLAMA3_32K, f"parallel.cp={cp}", "estimate.suggestions=false"] for cp in (1, 2)},
+        # parallel.loss_impl=auto (the default): Granite's scaled logits take the dense loss (its
+        # experiment, two layers), and so does a family without a TP plan (gpt_neox) at tp=1.
+        "granite": [
+            "+experiment=granite3_8b_tp4",
+            "estimate.world_size=4",
+            "estimate.format=json",
+            "estimate.suggestions=false",
+            "+model.config.num_hidden_layers=2",
+        ],
+        "neox": [
+            "estimate.world_size=2",
+            "parallel.tp=1",
+            "estimate.format=json",
+            "+model.config.model_type=gpt_neox",
+        ],
+        "no_world_size": [],  # refused: exit code 2
+        # A budget nothing meets, micro batch 1 and checkpointing on: only the tp and cp levers.
+        "suggest": [
+            "estimate.world_size=4",
+            "estimate.format=json",
+            "estimate.gpu_memory_gib=0.001",
+            "data.packing=true",
+            "parallel.activation_checkpointing=full",
+            "train.micro_batch_size=1",
+            "parallel.loss_impl=dense",
+        ],
+    }
     processes = {
-        "table": start([*ESTIMATE, "estimate.world_size=4", "parallel.tp=4", "train.micro_batch_size=8"]),
-        "json": start([*ESTIMATE, *SEED, "estimate.format=json", "estimate.suggestions=false"]),
         "real": start(worker_command(WORLD, "estimate_real", "--out", str(out))),
         # The scenarios planned with the real run's attention kernel (sdpa on a CPU), in one process.
         "plans": start(SCENARIO_PLAN),
-        # Llama-3-8B at 32k: the experiment as shipped (cp=2, tp=2), and cp=1 (does not fit; its
-        # suggestions, three more 8B plans, are not asked for here).
-        **{
-            f"32k:cp{cp}": start([*ESTIMATE, *LLAMA3_32K, f"parallel.cp={cp}", "estimate.suggestions=false"])
-            for cp in (1, 2)
-        },
-        # parallel.loss_impl=auto (the default): Granite's scaled logits take the dense loss (its
-        # experiment, two layers), and so does a family without a TP plan (gpt_neox) at tp=1.
-        "granite": start(
-            [
-                *ESTIMATE,
-                "+experiment=granite3_8b_tp4",
-                "estimate.world_size=4",
-                "estimate.format=json",
-                "estimate.suggestions=false",
-                "+model.config.num_hidden_layers=2",
-            ]
-        ),
-        "neox": start(
-            [
-                *ESTIMATE,
-                "estimate.world_size=2",
-                "parallel.tp=1",
-                "estimate.format=json",
-                "+model.config.model_type=gpt_neox",
-            ]
-        ),
-        # A budget nothing meets, micro batch 1 and checkpointing on: only the tp and cp levers.
-        "suggest": start(
-            [
-                *ESTIMATE,
-                "estimate.world_size=4",
-                "estimate.format=json",
-                "estimate.gpu_memory_gib=0.001",
-                "data.packing=true",
-                "parallel.activation_checkpointing=full",
-                "train.micro_batch_size=1",
-                "parallel.loss_impl=dense",
-            ]
-        ),
+        "cli": start(one_interpreter_command(cli, commands, module="dtrain.estimate.app")),
     }
     try:
         outputs = {key: finish(process) for key, process in processes.items()}
@@ -114,6 +110,11 @@ def runs(tmp_path_factory):
         for process in processes.values():
             if process.poll() is None:
                 process.kill()
+    outcomes = json.loads((cli / "out.json").read_text())
+    outputs["no_world_size"] = outcomes.pop("no_world_size")
+    for name, outcome in outcomes.items():
+        assert outcome["returncode"] == 0, f"{name}: {commands[name]}\n{outcome['stderr'][-4000:]}"
+        outputs[name] = outcome["stdout"]
     outputs["real"] = {name: json.loads((out / f"{name}.json").read_text()) for name in SCENARIOS}
     return outputs
 
@@ -340,10 +341,10 @@ def test_auto_loss_keeps_the_embedded_default_loss_curve(tmp_path):
 
 
 @pytest.mark.slow
-def test_missing_world_size_names_the_key():
-    result = subprocess.run([*ESTIMATE], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "estimate.world_size: required" in result.stderr
+def test_missing_world_size_names_the_key(runs):
+    refused = runs["no_world_size"]
+    assert refused["returncode"] == 2
+    assert "estimate.world_size: required" in refused["stderr"]
 
 
 @pytest.mark.slow

@@ -1,42 +1,43 @@
-"""Run many one-process `python -m dtrain.sft ARGS` commands in one interpreter, for the tests of
-bad input: each command is `dtrain.sft.main()` with its argv, exactly what `python -m dtrain.sft`
-runs, and what a fresh interpreter would add is only the start-up (imports: most of a failing
-command's time). Each command's exit code (SystemExit) and everything it wrote to the file
-descriptors 1 and 2 (Hydra's logging, dtrain's error line, a traceback) are recorded.
+"""Run many one-process `python -m MODULE ARGS` commands in one interpreter: each command is MODULE's
+main() with its argv, exactly what `python -m MODULE` runs, and what a fresh interpreter would add
+is only the start-up (imports: most of a failing command's time, and 4 s of every command's). Each
+command's exit code (SystemExit) and what it wrote to the file descriptors 1 and 2 (Hydra's logging,
+dtrain's error line, a traceback, a plan's table or JSON) are recorded.
 
-    python -m tests.workers.cli_many COMMANDS.json RESULTS.json
+    python -m tests.workers.cli_many MODULE COMMANDS.json RESULTS.json
 
-COMMANDS.json: {name: [arg, ...]}; RESULTS.json: {name: {"returncode": int, "output": str}}. A
-command that does not end the process (a run that trains) returns 0. The environment is the
-process's own, shared by every command."""
+MODULE: dtrain.sft, or dtrain.estimate.app (what `python -m dtrain.estimate` runs). COMMANDS.json:
+{name: [arg, ...]}; RESULTS.json: {name: {"returncode": int, "stdout": str, "stderr": str,
+"output": stdout + stderr}}. A command that does not end the process (a run that trains, a plan)
+returns 0. The environment is the process's own, shared by every command."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from hydra.core.global_hydra import GlobalHydra
 
-import dtrain.sft
 
-
-def run_one(args: list[str]) -> tuple[int, str]:
-    """dtrain.sft.main() with argv `args`, its output taken from the file descriptors themselves
-    (Hydra's log handlers hold sys.stdout/sys.stderr objects, which write to them)."""
+def run_one(main: Callable[[], None], program: str, args: list[str]) -> tuple[int, str, str]:
+    """main() with argv `args`, its output taken from the file descriptors themselves (Hydra's log
+    handlers hold sys.stdout/sys.stderr objects, which write to them)."""
     saved = {fd: os.dup(fd) for fd in (1, 2)}
-    with tempfile.TemporaryFile(mode="w+") as captured:
+    with tempfile.TemporaryFile(mode="w+") as stdout, tempfile.TemporaryFile(mode="w+") as stderr:
         sys.stdout.flush()
         sys.stderr.flush()
-        for fd in (1, 2):
-            os.dup2(captured.fileno(), fd)
-        sys.argv = ["dtrain.sft", *args]
+        os.dup2(stdout.fileno(), 1)
+        os.dup2(stderr.fileno(), 2)
+        sys.argv = [program, *args]
         code = 0
         try:
-            dtrain.sft.main()
+            main()
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else 1
         except BaseException:  # what the interpreter would print, and its exit code
@@ -49,16 +50,19 @@ def run_one(args: list[str]) -> tuple[int, str]:
                 os.dup2(copy, fd)
                 os.close(copy)
             GlobalHydra.instance().clear()  # the next command initialises Hydra afresh
-        captured.seek(0)
-        return code, captured.read()
+        stdout.seek(0)
+        stderr.seek(0)
+        return code, stdout.read(), stderr.read()
 
 
 def main() -> None:
-    commands_file, results_file = (Path(arg) for arg in sys.argv[1:3])  # run_one replaces sys.argv
+    # run_one replaces sys.argv
+    module, commands_file, results_file = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    program_main = importlib.import_module(module).main
     results = {}
     for name, args in json.loads(commands_file.read_text()).items():
-        code, output = run_one(args)
-        results[name] = {"returncode": code, "output": output}
+        code, stdout, stderr = run_one(program_main, module, args)
+        results[name] = {"returncode": code, "stdout": stdout, "stderr": stderr, "output": stdout + stderr}
     results_file.write_text(json.dumps(results))
 
 
