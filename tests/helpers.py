@@ -266,24 +266,31 @@ def run_worker(nproc: int, name: str, *args: str, timeout: float = 600, env: dic
 
 
 def one_interpreter_command(
-    folder: Path, commands: dict[str, list[str]], module: str = "dtrain.sft"
+    folder: Path,
+    commands: dict[str, list[str]],
+    module: str = "dtrain.sft",
+    envs: dict[str, dict] | None = None,
 ) -> list[str]:
-    """The command that runs `python -m MODULE ARGS` for each of `commands` ({name: args}) in one
-    interpreter (tests/workers/cli_many), writing folder/out.json: {name: {"returncode", "stdout",
-    "stderr", "output"}}."""
+    """The command that runs `python -m MODULE ARGS` for each of `commands` ({name: args}; its
+    environment updated with envs[name]) in one interpreter (tests/workers/cli_many), writing
+    folder/out.json: {name: {"returncode", "stdout", "stderr", "output"}}."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "commands.json").write_text(json.dumps(commands))
+    entries = {name: {"args": args, "env": (envs or {}).get(name, {})} for name, args in commands.items()}
+    (folder / "commands.json").write_text(json.dumps(entries))
     runner = [sys.executable, "-m", "tests.workers.cli_many", module]
     return [*runner, str(folder / "commands.json"), str(folder / "out.json")]
 
 
-def run_in_one_interpreter(folder: Path, commands: dict[str, list[str]], world: int = 1, env=None) -> dict:
+def run_in_one_interpreter(
+    folder: Path, commands: dict[str, list[str]], world: int | dict[str, int] = 1, env: dict | None = None
+) -> dict:
     """`python -m dtrain.sft ARGS` for each of `commands` in one interpreter (one_interpreter_command),
-    as one rank of a `world`-process torchrun (WORLD_SIZE, RANK=0): for commands refused before any
-    process group, without an interpreter's start-up per message. {name: {"returncode", "output",
-    ...}}."""
-    env = {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", **(env or {})}
-    result = run(one_interpreter_command(folder, commands), timeout=300, env=env)
+    as rank 0 of a `world`-process torchrun (WORLD_SIZE; `world` may give each command's): for
+    commands refused before any process group, without an interpreter's start-up per message.
+    {name: {"returncode", "output", ...}}."""
+    worlds = world if isinstance(world, dict) else dict.fromkeys(commands, world)
+    envs = {name: {"WORLD_SIZE": str(worlds[name]), "RANK": "0", "LOCAL_RANK": "0"} for name in commands}
+    result = run(one_interpreter_command(folder, commands, envs=envs), timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-4000:]
     return json.loads((folder / "out.json").read_text())
 

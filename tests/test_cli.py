@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow  # every test launches processes
 BAD_CONFIGS = [
     (["train.max_stepz=3"], 1, 1, "Key 'max_stepz' not in 'TrainConfig'"),
     (["train.max_steps=many"], 1, 1, "Value 'many' of type 'str' could not be converted to Integer"),
+    (["estimate.world_size=4"], 1, 1, "Key 'estimate' not in 'Config'"),  # the planner's keys
     (["parallel.tp=2", "parallel.dp_shard=2"], 1, 2, "but the world size is 1"),
     (["parallel.tp=1", "train.global_batch_size=24"], 2, 2, "train.global_batch_size=24 is not divisible"),
     (
@@ -35,19 +36,17 @@ IDS = [case[3][:40] for case in BAD_CONFIGS]
 
 @pytest.fixture(scope="module")
 def bad_config_outcomes(tmp_path_factory) -> dict[str, dict]:
-    """Every bad command, run by tests/workers/cli_many in one interpreter per world size: each is
+    """Every bad command, run by tests/workers/cli_many in one interpreter: each is
     `dtrain.sft.main()` with its argv, as `python -m dtrain.sft` (or one rank under torchrun, with
     WORLD_SIZE set as torchrun sets it) runs it, up to where the check refuses it, before any process
     group. That every rank of a real launch refuses at once is test_lifecycle's (4 processes, through
     the launch script) and test_data's (2 processes). {id: {"returncode", "output", "run_dir"}}."""
     root = tmp_path_factory.mktemp("bad_configs")
-    outcomes = {}
-    for world in (1, 2):
-        commands = {}
-        for (overrides, size, _, _), name in zip(BAD_CONFIGS, IDS, strict=True):
-            if size == world:
-                commands[name] = [*overrides, f"hydra.run.dir={root / str(IDS.index(name))}"]
-        outcomes.update(run_in_one_interpreter(root / f"world{world}", commands, world))
+    commands, worlds = {}, {}
+    for index, ((overrides, world, _, _), name) in enumerate(zip(BAD_CONFIGS, IDS, strict=True)):
+        commands[name] = [*overrides, f"hydra.run.dir={root / str(index)}"]
+        worlds[name] = world
+    outcomes = run_in_one_interpreter(root / "cli_many", commands, worlds)
     for name in outcomes:
         outcomes[name]["run_dir"] = root / str(IDS.index(name))
     return outcomes

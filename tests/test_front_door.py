@@ -166,10 +166,8 @@ def refusals(user, tmp_path_factory) -> dict[str, dict]:
     kv_heads = [f"model.name_or_path={user['llama']}", *data, "parallel.tp=4", f"hydra.run.dir={root / 'kv'}"]
     no_plan = [f"model.name_or_path={user['gpt_neox']}", *data, "parallel.tp=2"]
     no_plan.append(f"hydra.run.dir={root / 'np'}")
-    return {
-        **run_in_one_interpreter(root / "world4", {"kv_heads": kv_heads}, world=4),
-        **run_in_one_interpreter(root / "world2", {"no_plan": no_plan}, world=2),
-    }
+    commands = {"kv_heads": kv_heads, "no_plan": no_plan}
+    return run_in_one_interpreter(root / "cli_many", commands, world={"kv_heads": 4, "no_plan": 2})
 
 
 def refused(outcome: dict) -> str:

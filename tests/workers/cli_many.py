@@ -7,9 +7,10 @@ dtrain's error line, a traceback, a plan's table or JSON) are recorded.
     python -m tests.workers.cli_many MODULE COMMANDS.json RESULTS.json
 
 MODULE: dtrain.sft, or dtrain.estimate.app (what `python -m dtrain.estimate` runs). COMMANDS.json:
-{name: [arg, ...]}; RESULTS.json: {name: {"returncode": int, "stdout": str, "stderr": str,
-"output": stdout + stderr}}. A command that does not end the process (a run that trains, a plan)
-returns 0. The environment is the process's own, shared by every command."""
+{name: {"args": [arg, ...], "env": {variable: value}}}; RESULTS.json: {name: {"returncode": int,
+"stdout": str, "stderr": str, "output": stdout + stderr}}. A command that does not end the process
+(a run that trains, a plan) returns 0. Each command runs in the process's environment updated with
+its "env" (e.g. WORLD_SIZE, as torchrun sets it for each rank), put back after it."""
 
 from __future__ import annotations
 
@@ -60,8 +61,14 @@ def main() -> None:
     module, commands_file, results_file = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     program_main = importlib.import_module(module).main
     results = {}
-    for name, args in json.loads(commands_file.read_text()).items():
-        code, stdout, stderr = run_one(program_main, module, args)
+    for name, command in json.loads(commands_file.read_text()).items():
+        environment = dict(os.environ)
+        os.environ.update(command["env"])
+        try:
+            code, stdout, stderr = run_one(program_main, module, command["args"])
+        finally:
+            os.environ.clear()
+            os.environ.update(environment)
         results[name] = {"returncode": code, "stdout": stdout, "stderr": stderr, "output": stdout + stderr}
     results_file.write_text(json.dumps(results))
 
