@@ -40,7 +40,9 @@ R, ALPHA = 8, 16.0
 # compiles the dense model through Inductor on the CPU.
 COMPILE_BACKEND = "aot_eager"
 EXPORT = {"checkpoint.export_hf": True, "checkpoint.export_merged": True, "checkpoint.export_dtype": "fp32"}
-PACKED_CP = {"parallel.cp": 2, "data.packing": True}
+# dp = 1 meshes: 2 micro-batches of 4 rows a step, not 4 of 2 (accumulation at half the DTensor calls)
+TWO_MICRO_BATCHES = {"train.micro_batch_size": GLOBAL_BATCH // 2}
+PACKED_CP = {"parallel.cp": 2, "data.packing": True, **TWO_MICRO_BATCHES}
 # name: (dp, tp, model, start, overrides); start "init" (PEFT's init, B zero) or "adapter" (the
 # PEFT-written adapter of the model's folder, non-zero A and B). Each scenario adds what the others
 # do not: a mesh, a family, or a feature (activation checkpointing, compile, cp, dropout, bf16).
@@ -58,7 +60,7 @@ SCENARIOS = {
         "2x2_gemma3": (2, 2, "gemma3", "adapter", {"parallel.activation_checkpointing": "selective"}),
         "2x2_olmo2": (2, 2, "olmo2", "adapter", {"parallel.activation_checkpointing": "full"}),
         "4x1": (4, 1, "llama", "adapter", {}),
-        "1x4": (1, 4, "llama", "adapter", {}),
+        "1x4": (1, 4, "llama", "adapter", TWO_MICRO_BATCHES),
         "cp2_tp2": (1, 2, "llama", "adapter", PACKED_CP),  # packed rows, documents across cp chunks
         "2x2_dropout": (2, 2, "llama", "init", {"lora.dropout": 0.2}),
     },
