@@ -15,8 +15,9 @@ a folder of its own as a user's working directory:
 - The failures known before any process group, each one `dtrain: error:` line and exit code 2, in
   this process (dtrain.sft.main with a patched argv): no interpreter start-up per check.
 
-The reference is an uninterrupted run of the same command: resuming must reproduce exactly what
-not stopping would have done, which no other program can tell."""
+The reference is an uninterrupted run of the same overrides on 2 ranks (forked, W&B off: neither
+moves a loss): resuming must reproduce exactly what not stopping would have done, which no other
+program can tell."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from dtrain.checkpoint import COMPLETE, find_resume_path
 from dtrain.config import CheckpointConfig
 from dtrain.hydra_glue import run_name
-from tests.helpers import ROOT, wandb_records
+from tests.helpers import ROOT, read_metrics, sft, wandb_records
 
 STEPS = 6
 COMMAND = [f"train.max_steps={STEPS}", "train.log_every=1", "logging.wandb.mode=offline"]
@@ -138,11 +139,12 @@ def saved_steps(cwd: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
-    """The uninterrupted run of the command every scenario launches."""
-    cwd = tmp_path_factory.mktemp("reference")
-    code, output = launch(cwd, *COMMAND)
-    assert code == 0, output[-3000:]
-    logged = records(cwd)
+    """The uninterrupted run of what every scenario trains: the same overrides on 2 ranks (dtrain.sft's
+    main() on forked ranks, helpers.sft, and W&B off: neither the launcher nor W&B moves a loss)."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    result = sft(2, *COMMAND, "logging.wandb.mode=disabled", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stdout[-3000:]
+    logged = read_metrics(run_dir)
     assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
     return logged
 
