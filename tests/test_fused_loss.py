@@ -1,5 +1,5 @@
 """parallel.loss_impl=fused (dtrain/fused_loss.py): the autograd function's gradients against
-autograd through the dense loss, and dtrain's training against loss_impl=dense over 10 steps, on
+autograd through the dense loss, and dtrain's training against loss_impl=dense over 5 steps, on
 1×1, 2×2 and tied 2×2 with a padded vocabulary (tests/workers/fused_runs.py); the planner's
 memory figures for the motivating run's head and loss. Through the CLI: test_estimate's
 auto-against-dense sweep (auto is fused for the embedded default) and test_cli's refusal of an
