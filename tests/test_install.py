@@ -54,12 +54,13 @@ def test_the_installed_package_is_the_wheel(installed, tmp_path):
 
 
 def test_training_with_a_users_experiment_and_planning_from_another_directory(installed, tmp_path):
-    """Two ranks train from outside the repo, the run's settings from the user's own experiment
-    (`--config-dir`, beside the packaged ones); the planner runs there too."""
+    """torchrun trains from outside the repo (one rank: what the wheel must carry does not depend on
+    the ranks), the run's settings from the user's own experiment (`--config-dir`, beside the packaged
+    ones); the planner runs there too."""
     mine = tmp_path / "mine" / "experiment"
     mine.mkdir(parents=True)
     (mine / "short.yaml").write_text("# @package _global_\ntrain:\n  max_steps: 1\n  global_batch_size: 8\n")
-    train = [str(installed), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    train = [str(installed), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
     args = ["-m", "dtrain.sft", "--config-dir", "mine", "+experiment=short", "hydra.run.dir=run"]
     result = run([*train, *args], cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-4000:]
