@@ -5,9 +5,10 @@
   1026 rows at tp=2; hidden states sequence-sharded and replicated): loss and the gradients of the
   hidden states and the weight against autograd through the dense cross-entropy on the full tensors
   (1e-6), with an upstream gradient that is not 1 and a short last chunk; bf16 inputs close to fp32.
-- dtrain's trainer for 5 steps with accumulation (the suite's time; each step compared): every step's loss and grad norm, and the final
-  weights, of loss_impl=fused against loss_impl=dense on the same mesh (1e-5): 1×1 (one process),
-  2×2 (sequence parallel), and 2×2 tied with full activation checkpointing (four processes).
+- dtrain's trainer for 5 steps with accumulation (the suite's time; each step compared): every
+  step's loss and grad norm, and the final weights, of loss_impl=fused against loss_impl=dense on
+  the same mesh (1e-5): 1×1 (one process), 2×2 (sequence parallel), and 2×2 tied with full
+  activation checkpointing (four processes).
 """
 
 from __future__ import annotations
