@@ -77,16 +77,16 @@ main() {
       echo "gpu_all: pip install -e . failed (log: $OUT/install.log)"
       exit 1
     }
+    TORCH_AFTER="$("$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+    [ "$TORCH_AFTER" = "$TORCH_BEFORE" ] || {
+      echo "gpu_all: torch changed from $TORCH_BEFORE to $TORCH_AFTER"
+      exit 1
+    }
     DRY_FLAG=()
     SFT_STEPS=20
     LORA_RUN=(+experiment=llama3_8b_lora model.init=random model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft
       data.packing=true data.max_len=2048 train.max_steps=10 train.global_batch_size=8)
   fi
-  TORCH_AFTER="$("$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
-  [ "$TORCH_AFTER" = "$TORCH_BEFORE" ] || {
-    echo "gpu_all: torch changed from $TORCH_BEFORE to $TORCH_AFTER"
-    exit 1
-  }
 
   check estimate "${T_ESTIMATE:-90}" "$OUT/estimate.json" \
     "$PYTHON" bench/gpu_estimate_check.py "${DRY_FLAG[@]}" --json "$OUT/estimate.json"
