@@ -92,18 +92,19 @@ def test_stop_ends_the_sweep_at_the_failed_job(tmp_path):
 
 @pytest.mark.slow
 def test_submitit_local_sweep_with_two_tasks_per_job(sweep, tmp_path):
-    """hydra/launcher=submitit_local: each job is 2 processes that take their ranks from submitit,
-    and trains the same curve as the torchrun sweep's job."""
+    """hydra/launcher=submitit_local: a job is 2 processes that take their ranks from submitit, and
+    trains the same curve as the torchrun sweep's job (one job: several jobs in one sweep, a failed
+    one included, are the torchrun sweep's cases)."""
     reference, _ = sweep
     launcher = [
         "hydra/launcher=submitit_local",
         "hydra.launcher.tasks_per_node=2",
         "hydra.launcher.timeout_min=5",
     ]
-    args = sft(*launcher, "optim.schedule=cosine,constant", multirun=True)
+    args = sft(*launcher, "optim.schedule=cosine", multirun=True)
     result = run([sys.executable, *args, f"hydra.sweep.dir={tmp_path}"], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
-    for job in ("0", "1"):
+    for job in ("0",):
         assert status(tmp_path / job)["status"] == "COMPLETED"
         assert "'dp_shard': 2" in (tmp_path / job / "sft.log").read_text()
         assert (tmp_path / job / "sft.log").read_text().count("step 3/3") == 1  # rank 0 alone logs
