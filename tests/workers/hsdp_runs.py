@@ -6,7 +6,7 @@
 - `resume_hsdp`: step 8 of `resume_fsdp` resumed on HSDP 2×4×1: back from FSDP to HSDP.
 - `cp`: dp 2 × cp 2 × tp 2 on packed rows (documents cross the chunk borders), checkpointing at steps
   4 and 8; its sharding (over dp_shard × cp and tp) is asserted on every rank.
-- `resume_cp4` and `resume_cp1`: steps 4 and 8 of `cp` resumed at cp = 4 (dp 2 × cp 4) and cp = 1
+- `resume_cp4` and `resume_cp1`: step 8 of `cp` resumed at cp = 4 (dp 2 × cp 4) and at cp = 1
   (dp 4 × tp 2): the model state does not depend on cp.
 - `unplanned`: a Linear the TP plan does not name, added to a decoder layer: parallelize must refuse it.
 - `moe`: the tiny Qwen3-MoE (aux loss on) at dp_shard 4 × tp 2 with ep 2: experts split over ep,
@@ -117,7 +117,8 @@ def dense_runs(model_dir: Path, out: Path, device: torch.device) -> dict:
     check_sharding(cp.model, cp.optimizer, dp=2, tp=2, cp=2)
     params = {canonical_name(n): p.full_tensor() for n, p in cp.model.named_parameters()}
     results["cp"] = {"history": cp.history, "params": params}
-    for name, (shard, degree, tp, step) in {"resume_cp4": (2, 4, 1, 4), "resume_cp1": (4, 1, 2, 8)}.items():
+    # both from step 8: two steps on the new mesh say it (from step 4, cp 4 cost 4 more steps on 8 ranks)
+    for name, (shard, degree, tp, step) in {"resume_cp4": (2, 4, 1, 8), "resume_cp1": (4, 1, 2, 8)}.items():
         checkpoint = out / "cp" / "checkpoints" / f"step-{step:08d}"
         resumed = run(cp_config(model_dir, shard, degree, tp, out, name), name, out, device, checkpoint)
         results[name] = {"history": resumed.history}
