@@ -32,10 +32,10 @@ from tests.helpers import (
 
 EXPORT = {"checkpoint.export_hf": True, "checkpoint.export_dtype": "fp32"}
 PACKED = {"data.packing": True}
-ONE_MICRO_BATCH = {"train.micro_batch_size": GLOBAL_BATCH // 2}  # each of dp = 2 ranks: its rows at once
-# dp = 1 meshes (all of tp, all of cp): 2 micro-batches of 8 rows a step, not 4 of 4; accumulation at
-# half the DTensor calls (the micro-batches' count is the trainer's, the same on every mesh)
-TWO_MICRO_BATCHES = {"train.micro_batch_size": GLOBAL_BATCH // 2}
+# Micro-batches of half the global batch: at dp = 2 each rank's rows at once (one micro-batch a
+# step), at dp = 1 (all of tp, all of cp) 2 micro-batches a step, not 4 of 4: accumulation at half
+# the DTensor calls (the micro-batches' count is the trainer's, the same on every mesh)
+HALF_BATCH = {"train.micro_batch_size": GLOBAL_BATCH // 2}
 # the seeded init's runs compare the two meshes' init and first losses: 3 steps say it
 SEEDED_INIT = {"train.max_steps": 3}
 # name: (dp, tp, model, overrides); model is "untied", "tied", "random" (seeded init) or a family
@@ -51,16 +51,16 @@ SCENARIOS = {
         "2x2_tied": (2, 2, "tied", {}),
         "2x2_no_sp": (2, 2, "untied", {"parallel.sequence_parallel": False}),
         "2x2_bf16": (2, 2, "untied", {"train.precision": "bf16"}),
-        "1x4": (1, 4, "untied", TWO_MICRO_BATCHES),
+        "1x4": (1, 4, "untied", HALF_BATCH),
         "4x1": (4, 1, "untied", {}),
         "2x2_random": (2, 2, "random", SEEDED_INIT),
         # every family trained, then exported at the end of training (fp32, to compare logits); in
         # one micro-batch per step (accumulation is the trainer's, the same for every family: the
         # Llama meshes above check it)
-        **{f"2x2_{family}": (2, 2, family, {**EXPORT, **ONE_MICRO_BATCH}) for family in FAMILIES},
+        **{f"2x2_{family}": (2, 2, family, {**EXPORT, **HALF_BATCH}) for family in FAMILIES},
         # context parallel on packed rows whose documents cross the chunk borders
-        "cp4": (1, 1, "untied", {"parallel.cp": 4, **PACKED, **TWO_MICRO_BATCHES}),
-        "cp2_tp2": (1, 2, "untied", {"parallel.cp": 2, **PACKED, **TWO_MICRO_BATCHES}),
+        "cp4": (1, 1, "untied", {"parallel.cp": 4, **PACKED, **HALF_BATCH}),
+        "cp2_tp2": (1, 2, "untied", {"parallel.cp": 2, **PACKED, **HALF_BATCH}),
         "cp2_dp2": (2, 1, "untied", {"parallel.cp": 2, **PACKED}),
     },
 }
