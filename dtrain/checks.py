@@ -35,6 +35,7 @@ EXPORT_DTYPES = ("bf16", "fp32")
 OVERLONG = ("truncate", "drop")
 LOSS_IMPLS = ("auto", "dense", "chunked", "fused")
 MODEL_INITS = ("auto", "pretrained", "random")
+AUX_SCOPES = ("micro_step", "global_batch")
 # What marks data.path as meant to be local (so a typo is "no such file", not a failed hub lookup).
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 
@@ -132,6 +133,7 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
         )
     _one_of("logging.wandb.mode", config.logging.wandb.mode, WANDB_MODES)
     _one_of("model.init", config.model.init, MODEL_INITS)
+    _one_of("moe.aux_scope", config.moe.aux_scope, AUX_SCOPES)
     for key, value in (
         ("train.max_steps", train.max_steps),
         ("train.global_batch_size", train.global_batch_size),

@@ -299,6 +299,24 @@ class LoraConfig:
 
 
 @dataclass
+class MoeConfig:
+    """Mixture-of-experts models whose config asks for the router's load-balancing loss
+    (`output_router_logits: true`): which tokens HF's `aux_loss` is computed over (docs/moe.md)."""
+
+    aux_scope: str = "micro_step"
+    """`micro_step`: HF's aux loss over each micro-step's rows (stream rows [s·G + k·M, s·G + (k+1)·M)
+    of step s, M = train.micro_batch_size × dp: the same rows on any mesh with the same M), its
+    expert counts summed over every rank inside the step, no extra forward; the step's aux loss is
+    the mean over its micro-steps. `global_batch`: HF's aux loss over the whole global batch in one
+    forward, whose counts take a forward without gradients over the step first (about a third more
+    compute)."""
+    aux_mask_padding: bool = True
+    """Leave the padding slots out of the aux loss and expert_load, as HF's `load_balancing_loss_func`
+    does with the padding collator's attention mask; false: every slot counts (HF's model called
+    without an attention mask)."""
+
+
+@dataclass
 class WandbConfig:
     mode: str = "disabled"
     """`online`, `offline` (writes under the run folder) or `disabled`. Online without credentials logs
@@ -337,6 +355,8 @@ class Config:
     """Checkpoints, resume and Hugging Face export (docs/checkpoints.md)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters on a frozen base (docs/lora.md); off by default."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """Mixture-of-experts models: the router's aux loss (docs/moe.md)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Where logged steps go besides metrics.jsonl and the console."""
 

@@ -2,7 +2,8 @@
 
 - `begin_step(micro_batches)`: this rank's micro-batches of the step, before its first gradient: the
   step's global counts (what the loss is a mean over: supervised tokens, pairs), and the router's
-  start of the step (a mixture-of-experts model; with its aux loss, the step's routes counted first).
+  start of the step (a mixture-of-experts model; with its aux loss over the global batch,
+  `moe.aux_scope=global_batch`, the step's routes counted first).
 - `micro_step(micro_batch)`: forward, loss and backward of one micro-batch (the loss divided by the
   global count, so the gradients summed over micro-batches and ranks are the global batch's mean);
   its summed loss and figures accumulate, detached.
@@ -23,10 +24,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from dtrain.config import Config, ParallelConfig
+from dtrain.config import Config, MoeConfig, ParallelConfig
 from dtrain.distributed import Parallel
 from dtrain.loss import loss_context
-from dtrain.parallel.experts import RouterStats
+from dtrain.parallel.router import RouterStats
 from dtrain.step import evaluate, global_counts, micro_step, summed_loss
 
 
@@ -57,9 +58,12 @@ class StepFigures:
 class Objective:
     """The parts every objective shares: the model, the mesh, the loss settings and the router."""
 
-    def __init__(self, model: torch.nn.Module, parallel: Parallel, loss: LossSettings) -> None:
+    def __init__(
+        self, model: torch.nn.Module, parallel: Parallel, loss: LossSettings, moe: MoeConfig
+    ) -> None:
         self.model, self.parallel, self.loss = model, parallel, loss
-        self.router = RouterStats.attach(model)  # mixture of experts: routing figures and the aux loss
+        # mixture of experts: routing figures and the aux loss (moe: its scope and padding)
+        self.router = RouterStats.attach(model, parallel, moe)
         self.tokens = torch.zeros((), device=parallel.device)  # the step's supervised tokens
 
     def begin_step(self, micro_batches: list[dict[str, Any]]) -> None:
@@ -121,4 +125,4 @@ class TokenLoss(Objective):
 
 def build_objective(config: Config, model: torch.nn.Module, parallel: Parallel) -> Objective:
     """The objective a run trains with."""
-    return TokenLoss(model, parallel, LossSettings.of(config.parallel))
+    return TokenLoss(model, parallel, LossSettings.of(config.parallel), config.moe)

@@ -6,6 +6,7 @@ the eval set."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -24,14 +25,21 @@ from dtrain.loss import (
 )
 from dtrain.optim import clip_grads, global_grad_norm
 from dtrain.parallel.context import CONTEXT_KWARG, shard_sequence
-from dtrain.parallel.experts import RouterStats
+from dtrain.parallel.router import RouterStats
 
 
 def local_micro_batch(micro_batch: dict[str, torch.Tensor], parallel: Parallel) -> dict[str, Any]:
     """This rank's part of a host micro-batch, on its device: the whole rows, or with context
-    parallel its tokens of every row (parallel/context.py)."""
+    parallel its tokens of every row (parallel/context.py); with `filled`, which of its slots hold a
+    token (padding is each row's tail: its first `num_tokens` slots do)."""
     on_device = {key: value.to(parallel.device, non_blocking=True) for key, value in micro_batch.items()}
-    return shard_sequence(on_device, parallel["cp"])
+    return shard_sequence(with_filled_slots(on_device), parallel["cp"])
+
+
+def with_filled_slots(micro_batch: dict[str, Any]) -> dict[str, Any]:
+    """The micro-batch with `filled` [rows, slots]: True where a slot holds a token, not padding."""
+    slots = torch.arange(micro_batch["input_ids"].shape[1], device=micro_batch["input_ids"].device)
+    return {**micro_batch, "filled": slots[None, :] < micro_batch["num_tokens"][:, None]}
 
 
 def global_counts(
@@ -59,9 +67,8 @@ def micro_step(
     its own so the logits die with it, and so dtrain.estimate measures exactly this step. `router`
     (a mixture-of-experts model): records the routing, and adds this micro-batch's share of the
     router's aux loss, if the model has one, to what is differentiated."""
-    with loss_context(loss_parallel):
-        if router is not None:
-            router.recording = True
+    recorded = router.record(micro_batch) if router is not None else contextlib.nullcontext()
+    with loss_context(loss_parallel), recorded:
         loss = summed_loss(model, micro_batch, loss_impl, loss_chunk)
         total = loss / tokens
         aux = router.aux_term() if router is not None else None

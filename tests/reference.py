@@ -11,7 +11,8 @@ the rows per epoch, step s taking stream rows [s·G, (s+1)·G). Packed documents
 this module's packing gave them.
 
 Loop (`reference_run`): `from_pretrained` in fp32, torch AdamW (decay on matrices only), HF's cosine
-schedule with warmup, `clip_grad_norm_`, one micro-batch of the whole global batch; packed rows run
+schedule with warmup, `clip_grad_norm_`, one micro-batch of the whole global batch (a mixture of
+experts: or micro-steps of `Recipe.micro_batch` rows, HF's aux loss over each); packed rows run
 document by document (HF's sdpa would attend across a row's documents). It runs on one thread, so
 its float noise does not depend on the machine, and its result is cached on disk (`cached_run`)
 keyed by a hash of every input, so test files in other pytest-xdist workers share it.
@@ -61,6 +62,13 @@ class Recipe:
     weight_decay: float
     warmup_steps: int
     max_grad_norm: float
+    # A mixture-of-experts model with HF's aux loss: None, one forward of the whole global batch;
+    # else micro-steps of this many consecutive stream rows, HF's aux loss of each (with accumulation:
+    # summed token loss / the step's targets + coef · aux / micro-steps, a backward each).
+    micro_batch: int | None = None
+    # The rows' attention mask (1: a token, 0: padding) passed to the model, as HF's Trainer with a
+    # padding collator does: its aux loss then leaves the padding out.
+    attention_mask: bool = False
 
 
 @dataclass
@@ -242,17 +250,32 @@ def summed_loss(model, batch: list[Row], packed: bool) -> torch.Tensor:
     return total
 
 
-def summed_loss_and_aux(model, batch: list[Row], packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def summed_loss_and_aux(
+    model, batch: list[Row], packed: bool, micro_batch: int | None = None, attention_mask: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A mixture-of-experts model whose config sets output_router_logits: the batch's summed token
-    loss and HF's own router load-balancing loss (`aux_loss`) of the whole batch, every slot of every
-    row counted (no attention mask: the call dtrain makes), from one forward."""
+    loss and HF's own router load-balancing loss (`aux_loss`): of the whole batch from one forward,
+    or with `micro_batch` the mean of each micro-step's (that many consecutive rows, one forward
+    each: their sum is differentiated at once, which is accumulation). Every slot of every row
+    counted (no attention mask), or with `attention_mask` the rows' tokens only (the mask HF's
+    Trainer passes with a padding collator: the padding is each row's tail)."""
     if packed:
         raise ValueError("the reference has no aux loss over packed rows (it runs documents one by one)")
-    ids = torch.stack([row.input_ids for row in batch])
-    labels = torch.stack([row.labels for row in batch])
-    out = model(input_ids=ids, use_cache=False, output_router_logits=True)
-    summed = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    return summed, out.aux_loss
+    size = micro_batch or len(batch)
+    summed, auxes = torch.zeros(()), []
+    for rows in (batch[start : start + size] for start in range(0, len(batch), size)):
+        ids = torch.stack([row.input_ids for row in rows])
+        labels = torch.stack([row.labels for row in rows])
+        inputs = dict(input_ids=ids, use_cache=False, output_router_logits=True)
+        if attention_mask:
+            slots = torch.arange(ids.shape[1])
+            inputs["attention_mask"] = torch.stack([(slots < row.spans[-1][1]).long() for row in rows])
+        out = model(**inputs)
+        summed = summed + F.cross_entropy(
+            out.logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+        )
+        auxes.append(out.aux_loss)
+    return summed, sum(auxes) / len(auxes)
 
 
 def reference_run(model_dir: Path, data: Data, recipe: Recipe) -> dict:
@@ -300,7 +323,9 @@ def _train(model_dir: Path, data: Data, recipe: Recipe) -> dict:
             seen += torch.bincount(row.input_ids[: row.spans[-1][1]], minlength=len(seen))
         targets = sum(int((row.labels != IGNORE).sum()) for row in batch)
         if moe_aux:
-            summed, aux = summed_loss_and_aux(model, batch, data.packing)
+            summed, aux = summed_loss_and_aux(
+                model, batch, data.packing, recipe.micro_batch, recipe.attention_mask
+            )
             loss = summed / targets + model.config.router_aux_loss_coef * aux
             aux_losses.append(aux.item())
         else:

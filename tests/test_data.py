@@ -287,12 +287,15 @@ def loaders(rows, dp: int, micro: int = 1, workers: int = 0) -> list[SFTLoader]:
 
 
 def global_batches(ranks: list[SFTLoader], steps: int) -> list[list[tuple]]:
-    """Each step's rows, dp rank 0's slice first: the global batch in stream order (the epoch
-    checks below then show the ranks disjoint and covering)."""
-    return [
-        [tuple(r) for loader in ranks for mb in loader.next_step() for r in mb["input_ids"].tolist()]
-        for _ in range(steps)
-    ]
+    """Each step's rows, micro-step by micro-step, dp rank 0's part of each first: the global batch in
+    stream order (the epoch checks below then show the ranks disjoint and covering, and each
+    micro-step's rows those of the stream's next global micro-batch whatever the dp size)."""
+    batches = []
+    for _ in range(steps):
+        per_rank = [loader.next_step() for loader in ranks]
+        micro_steps = zip(*per_rank, strict=True)
+        batches.append([tuple(r) for micro in micro_steps for mb in micro for r in mb["input_ids"].tolist()])
+    return batches
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["rows", "packed"])

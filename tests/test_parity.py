@@ -73,9 +73,17 @@ def reference_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "hf-references"
 
 
-def reference_run(cache_dir: Path, model_dir: Path, steps: int = STEPS, packed: bool = False) -> dict:
+def reference_run(
+    cache_dir: Path,
+    model_dir: Path,
+    steps: int = STEPS,
+    packed: bool = False,
+    micro_batch: int | None = None,
+    attention_mask: bool = False,
+) -> dict:
     """The parity run in tests/reference.py (independent of dtrain, data included): the config's
-    numbers only, read from parity_config. {"losses", "norms", "params"}."""
+    numbers only, read from parity_config. {"losses", "norms", "params"}. A mixture of experts with
+    HF's aux loss: `micro_batch` and `attention_mask` as reference.Recipe's."""
     config = parity_config(model_dir, dp=1, tp=1)
     data = reference.Data(
         path=Path(config.data.path),
@@ -95,6 +103,8 @@ def reference_run(cache_dir: Path, model_dir: Path, steps: int = STEPS, packed: 
         weight_decay=optim.weight_decay,
         warmup_steps=optim.warmup_steps,
         max_grad_norm=optim.max_grad_norm,
+        micro_batch=micro_batch,
+        attention_mask=attention_mask,
     )
     return reference.cached_run(cache_dir, Path(model_dir), data, recipe)
 

@@ -2,8 +2,11 @@
 
 The order is one global stream of rows that does not depend on the mesh: epoch e is a permutation
 of the rows seeded by (seed, e), the epochs follow each other, and optimizer step s uses stream rows
-[s·G, (s+1)·G) (G = global batch). dp rank r takes its contiguous slice of each global batch; tp
-ranks of one dp group get the same rows. The loader's state is where the stream stands (epoch,
+[s·G, (s+1)·G) (G = global batch), micro-step k of it rows [s·G + k·M, s·G + (k+1)·M) (M = micro
+batch × dp, the global micro-batch), and dp rank r micro-batch k's slice [.. + r·m, .. + (r+1)·m)
+(m = micro batch): which rows a micro-step holds does not depend on the mesh for a given M (the
+mixture-of-experts aux loss of `moe.aux_scope=micro_step` is over them). tp and cp ranks of one dp
+group get the same rows. The loader's state is where the stream stands (epoch,
 position), so a run resumed on any dp size continues the same stream. StatefulDataLoader's own
 state is not saved: it counts this rank's batches, which is mesh-dependent.
 """
@@ -56,21 +59,22 @@ def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool) -> list[int
 
 
 class StreamSampler(Sampler[int]):
-    """This dp rank's rows of the global stream, from global position `start` on, forever."""
+    """This dp rank's rows of the global stream, from global position `start` on, forever: of each
+    global micro-batch (micro_batch × dp_size consecutive stream rows) its `micro_batch` rows."""
 
     def __init__(
         self,
         num_rows: int,
-        global_batch: int,
+        micro_batch: int,
         dp_rank: int,
         dp_size: int,
         seed: int,
         shuffle: bool,
         start: int,
     ) -> None:
-        self.num_rows, self.global_batch, self.seed, self.shuffle = num_rows, global_batch, seed, shuffle
-        self.per_rank = global_batch // dp_size
-        self.offset = start + dp_rank * self.per_rank
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self.micro_batch, self.global_micro_batch = micro_batch, micro_batch * dp_size
+        self.offset = start + dp_rank * micro_batch
         self._epoch, self._order = -1, []
 
     def row(self, position: int) -> int:
@@ -80,11 +84,11 @@ class StreamSampler(Sampler[int]):
         return self._order[index]
 
     def __iter__(self) -> Iterator[int]:
-        batch_start = self.offset
-        while True:
-            for i in range(self.per_rank):
-                yield self.row(batch_start + i)
-            batch_start += self.global_batch
+        start = self.offset
+        while True:  # a step is a whole number of global micro-batches (checks.check_config)
+            for i in range(self.micro_batch):
+                yield self.row(start + i)
+            start += self.global_micro_batch
 
 
 class SFTLoader:
@@ -146,7 +150,7 @@ class SFTLoader:
     def _build_step(self) -> list[dict[str, torch.Tensor]]:
         if self._iterator is None:
             sampler = StreamSampler(
-                len(self.rows), self.global_batch_size, self.dp_rank, self.dp_size,
+                len(self.rows), self.micro_batch_size, self.dp_rank, self.dp_size,
                 self.seed, self.shuffle, start=self.consumed,
             )  # fmt: skip
             with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on every start

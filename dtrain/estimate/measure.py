@@ -19,6 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dtrain.fused_loss import FusedLinearCrossEntropy
 from dtrain.model import canonical_name
+from dtrain.parallel.router import RouterStats
 from dtrain.step import micro_step, optimizer_step
 
 _R, _S = _FSDPRefType, _FSDPModState  # the tracker's categories and module states
@@ -135,9 +136,11 @@ def track_step(
     run: int | None = None,
     loss_impl: str = "dense",
     loss_chunk: int = 0,
+    router: RouterStats | None = None,
 ) -> StepMemory:
     """Run one optimizer step (the first `run` of `micro_batches`, default all; then clip and
-    AdamW) under the tracker. All of `micro_batches` count as inputs: the trainer holds them all."""
+    AdamW) under the tracker. All of `micro_batches` count as inputs: the trainer holds them all.
+    `router`: a mixture of experts' record and aux term, started for the step (begin_step)."""
     params = list(model.parameters())
     tracker = FSDPMemTracker(model, optimizer)
     tracker.memory_tracking = _ModuleStats()
@@ -154,7 +157,7 @@ def track_step(
             for index, micro_batch in enumerate(micro_batches[:run]):
                 if index:  # the tracker follows one forward per module: start its module stats afresh
                     tracker.reset_mod_stats()
-                micro_step(model, micro_batch, tokens, loss_parallel, loss_impl, loss_chunk)
+                micro_step(model, micro_batch, tokens, loss_parallel, loss_impl, loss_chunk, router)
                 _harvest(tracker, modules)
             peak_before_optimizer = _total(tracker.get_tracker_snapshot("peak"), TOTAL)
             grads = _total(tracker.get_tracker_snapshot("current"), _R.SHARDED_GRAD)

@@ -34,7 +34,8 @@ from dtrain.model import allocate, build_meta_model, build_model, load_model_con
 from dtrain.optim import build_optimizer
 from dtrain.parallel.context import shard_sequence
 from dtrain.parallel.experts import experts_modules, local_weights
-from dtrain.step import micro_step, optimizer_step
+from dtrain.parallel.router import RouterStats
+from dtrain.step import micro_step, optimizer_step, with_filled_slots
 
 CPU = torch.device("cpu")
 # The attention kernel a CUDA run takes (dtrain.attention.backend_for); "sdpa" plans what a CPU run
@@ -194,14 +195,20 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
             optimizer = build_optimizer(model, config.optim)
             params = list(model.parameters())
             micro_batches = [
-                shard_sequence(micro_batch, parallel["cp"])
+                shard_sequence(with_filled_slots(micro_batch), parallel["cp"])
                 for micro_batch in step_inputs(train.micro_batch_size, config.data.max_len, accumulation, CPU)
             ]
             tokens = torch.tensor(float(train.global_batch_size * config.data.max_len))
+            # A mixture of experts: the routers' record and aux term of moe.aux_scope=micro_step (the
+            # default; global_batch's extra forward, without gradients, holds less than the step's).
+            planned_moe = dataclasses.replace(config.moe, aux_scope="micro_step")
+            router = RouterStats.attach(model, parallel, planned_moe)
+            if router is not None:
+                router.begin_step(micro_batches, forward=None)
             # Warm-up: DTensor's first run of each op, and AdamW's states, before measuring.
             loss = config.parallel.loss_impl, config.parallel.loss_chunk
             with _computed_expert_bytes(model) as computed:  # hooks only here: nothing in the tracker
-                micro_step(model, micro_batches[0], tokens, config.parallel.loss_parallel, *loss)
+                micro_step(model, micro_batches[0], tokens, config.parallel.loss_parallel, *loss, router)
             optimizer_step(optimizer, params, config.optim.max_grad_norm)
             step = track_step(
                 model,
@@ -213,6 +220,7 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
                 run=tracked_micro_batches(accumulation),
                 loss_impl=config.parallel.loss_impl,
                 loss_chunk=config.parallel.loss_chunk,
+                router=router,
             )
             layers = _layer_bytes(model, computed)
     return Plan(

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 # The micro-batch key and model forward kwarg that carries a ContextShard: HF passes unknown forward
 # kwargs down to every layer's attention function.
 CONTEXT_KWARG = "dtrain_context"
-SEQUENCE_KEYS = ("input_ids", "labels", "position_ids")
+SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "filled")  # filled: dtrain.step.with_filled_slots
 
 
 def local_token_indices(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
@@ -100,8 +100,9 @@ class ContextShard:
 
 
 def shard_sequence(micro_batch: dict[str, Any], cp_mesh: DeviceMesh) -> dict[str, Any]:
-    """This cp rank's part of a micro-batch (unchanged when cp = 1): its tokens of every row, its
-    share of the non-pad slots (`num_tokens`), and the ContextShard its attention needs."""
+    """This cp rank's part of a micro-batch (unchanged when cp = 1): its tokens of every row (their
+    `filled` flags too), its share of the non-pad slots (`num_tokens`), and the ContextShard its
+    attention needs."""
     cp = cp_mesh.size()
     if cp == 1:
         return micro_batch
@@ -110,7 +111,7 @@ def shard_sequence(micro_batch: dict[str, Any], cp_mesh: DeviceMesh) -> dict[str
     index = local_token_indices(seq, cp, cp_mesh.get_local_rank(), device)
     rank_order = torch.cat([local_token_indices(seq, cp, rank, device) for rank in range(cp)])
     shard = {key: micro_batch[key].index_select(1, index) for key in SEQUENCE_KEYS}
-    shard["num_tokens"] = (index[None, :] < micro_batch["num_tokens"][:, None]).sum(dim=1)
+    shard["num_tokens"] = shard["filled"].sum(dim=1)
     shard[CONTEXT_KWARG] = ContextShard(
         mesh=cp_mesh,
         query_index=index,

@@ -29,8 +29,23 @@ from tests.helpers import (
     sharded_model,
 )
 
-# name: (dp_shard, tp, ep); world 4
+# name: (dp_shard, tp, ep); world 4; the default aux loss (moe.aux_scope=micro_step, padding left out)
 SCENARIOS = {"ep4": (4, 1, 4), "ep2_tp2": (2, 2, 2), "ep2_dp2": (4, 1, 2)}
+# Rows of every micro-step, over all dp ranks (micro batch GLOBAL_MICRO_BATCH / dp): 2 micro-steps of
+# the global batch of 16, the same rows on every mesh (what moe.aux_scope=micro_step's loss is over).
+GLOBAL_MICRO_BATCH = 8
+# Each scope of the aux loss on the four meshes, SCOPE_STEPS steps: name → (dp_shard, tp, ep, cp,
+# moe.aux_scope, moe.aux_mask_padding). Context parallel on unpacked rows (HF's aux loss is over rows).
+# global_batch counts every slot on two meshes and leaves the padding out on the other two; micro_step
+# (SCENARIOS: padding left out) counts every slot on cp 2.
+SCOPE_STEPS = 4
+SCOPE_RUNS = {
+    "ep4_global": (4, 1, 4, 1, "global_batch", False),
+    "ep2_tp2_global": (2, 2, 2, 1, "global_batch", False),
+    "ep2_dp2_global": (4, 1, 2, 1, "global_batch", True),
+    "cp2_ep2_global": (2, 1, 2, 2, "global_batch", True),
+    "cp2_ep2_rows": (2, 1, 2, 2, "micro_step", False),
+}
 EXPORTED = "ep2_tp2"  # exported at the end (fp32)
 # checkpointed at step 5 (and with full activation checkpointing: the recomputed forward dispatches
 # again, and the router's hooks must not count it), then resumed at another ep:
@@ -39,8 +54,9 @@ RESUMED = {"ep2_dp2_to_ep4": (4, 1, 4), "ep2_dp2_to_ep1": (4, 1, 1)}
 # packed rows, context parallel: (dp_shard, cp, ep), the model without the aux loss (the reference
 # runs packed rows document by document, so it has no aux loss over the batch's slots)
 PACKED = {"cp2_ep2": (2, 2, 2)}
-# the other families (helpers.MOE_FAMILIES) at ep = 2 × tp = 2, FAMILY_STEPS steps; this one exported
-# at its end (fp32: its stacked experts with their biases, its sinks)
+# the other families (helpers.MOE_FAMILIES) at ep = 2 × tp = 2, FAMILY_STEPS steps, the aux loss over
+# the global batch's every slot; this one exported at its end (fp32: its stacked experts with their
+# biases, its sinks)
 FAMILY_STEPS = 4
 EXPORTED_FAMILY = "gpt_oss"
 
@@ -79,10 +95,10 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
 
 
 def moe_config(model_dir: Path, dp: int, tp: int, ep: int):
+    """parity_config at ep, GLOBAL_MICRO_BATCH rows a micro-step (dp = dp_shard here)."""
     config = parity_config(model_dir, dp, tp)
     config.parallel.ep = ep
-    if tp > 1:  # 2 micro-batches of 4 rows per dp rank, not 4 of 2: accumulation at half the DTensor calls
-        config.train.micro_batch_size = 4
+    config.train.micro_batch_size = GLOBAL_MICRO_BATCH // dp
     return config
 
 
@@ -112,29 +128,39 @@ def training_run(model_dir: Path, out: Path, name: str, device: torch.device) ->
     return saved
 
 
-def packed_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
-    dp, cp, ep = PACKED[name]
-    config = moe_config(model_dir, dp, 1, ep)
-    config.parallel.cp, config.data.packing = cp, True
+def trained(config, out: Path, name: str, device: torch.device) -> tuple[dict, torch.nn.Module]:
+    """Train `config` into out/name: the logged history and final full parameters, and the model."""
     model_config = load_model_config(config.model)
     shape = check_config(config, dist.get_world_size(), model_config)
     result = train(config, shape, model_config, device, out / name, resolved={})
     params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
-    return {"history": result.history, "params": params}
+    return {"history": result.history, "params": params}, result.model
+
+
+def packed_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
+    dp, cp, ep = PACKED[name]
+    config = moe_config(model_dir, dp, 1, ep)
+    config.parallel.cp, config.data.packing = cp, True
+    return trained(config, out, name, device)[0]
+
+
+def scope_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
+    dp, tp, ep, cp, scope, mask_padding = SCOPE_RUNS[name]
+    config = moe_config(model_dir, dp, tp, ep)
+    config.parallel.cp, config.train.max_steps = cp, SCOPE_STEPS
+    config.moe.aux_scope, config.moe.aux_mask_padding = scope, mask_padding
+    return trained(config, out, name, device)[0]
 
 
 def family_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
     config = moe_config(model_dir, 2, 2, 2)
     config.train.max_steps = FAMILY_STEPS
+    config.moe.aux_scope, config.moe.aux_mask_padding = "global_batch", False
     if name == EXPORTED_FAMILY:
         config.checkpoint.export_hf, config.checkpoint.export_dtype = True, "fp32"
-    model_config = load_model_config(config.model)
-    shape = check_config(config, dist.get_world_size(), model_config)
-    result = train(config, shape, model_config, device, out / name, resolved={})
-    params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
-    saved = {"history": result.history, "params": params}
+    saved, model = trained(config, out, name, device)
     if name == EXPORTED_FAMILY:
-        saved["trained_logits"], saved["hf"] = full_logits(result.model), str(out / name / "hf")
+        saved["trained_logits"], saved["hf"] = full_logits(model), str(out / name / "hf")
     return saved
 
 
@@ -175,6 +201,7 @@ def main() -> None:
         name: training_run(args.model, args.out, name, device) for name in chosen({**SCENARIOS, **RESUMED})
     }
     results |= {name: packed_run(args.model_without_aux, args.out, name, device) for name in chosen(PACKED)}
+    results |= {name: scope_run(args.model, args.out, name, device) for name in chosen(SCOPE_RUNS)}
     for family in chosen(sorted(path.name for path in args.families.iterdir())):
         results[family] = family_run(args.families / family, args.out, family, device)
     if chosen(["dispatch"]):
