@@ -226,11 +226,6 @@ def check_expert_parallel(model_config: Any, shape: MeshShape, parallel: Paralle
         )
     if not stacked:
         return
-    if parallel.compile:
-        raise ConfigError(
-            "parallel.compile=true: mixture-of-experts layers size their dispatch from the routing on the "
-            "host, which torch.compile(fullgraph=True) cannot trace; set parallel.compile=false"
-        )
     jitter = getattr(model_config, "router_jitter_noise", 0.0)
     if jitter:
         raise ConfigError(

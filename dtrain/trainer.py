@@ -26,6 +26,7 @@ from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_fl
 from dtrain.model import build_model, has_weights, tokenizer_source
 from dtrain.objective import build_objective
 from dtrain.optim import build_optimizer, build_scheduler, trainable_parameters
+from dtrain.parallel.experts import idle_parameters
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
 from dtrain.reliability import Preempted, StallWatch, StepGuard
 from dtrain.sinks import Sink, open_sinks
@@ -105,7 +106,8 @@ def start_run(
 
     num_params = count_parameters(model)
     trainable = sum(p.numel() for p in trainable_parameters(model))  # LoRA: no base weight gradients
-    flops = flops_per_token(model_config, num_params, config.data.max_len, trainable)
+    active = num_params - idle_parameters(model)  # a mixture of experts: the top-k experts' share
+    flops = flops_per_token(model_config, active, config.data.max_len, min(trainable, active))
     meter = StepMeter(config.train, config.data.max_len, flops, peak_flops(device), device, progress.step)
     shard_sizes = gather_shard_sizes(model)  # a collective: every rank, before rank 0 logs
     sinks = []

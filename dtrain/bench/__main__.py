@@ -3,6 +3,8 @@ transformers loop (the no-overhead baseline), by the Hugging Face Trainer (where
 installed), by dtrain's step on a 1×1 mesh, and by dtrain on the meshes the machine allows
 (torchrun workers); prints one table: tokens/s (all and supervised), tokens/s per device, MFU
 (CUDA with a known peak), step time, peak memory (CUDA) and each variant's ratio to the plain loop.
+Then (--moe) a second table, a small Qwen3-MoE with HF's router aux loss: the plain loop, dtrain 1×1
+with each moe.aux_scope, and dtrain with ep = 2 on 2 processes, each against that plain loop.
 On CPU the figures are CPU figures (gloo) and the table says so.
 
 The variants are in dtrain/bench/variants.py, the Hugging Face Trainer's in hf_trainer.py (a
@@ -23,7 +25,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtrain.bench.variants import Result, Setup, in_process_variants, lora_variants, measure, mesh_worker
+from dtrain.bench.variants import (
+    TINY_MOE_MODEL,
+    Result,
+    Setup,
+    in_process_variants,
+    lora_variants,
+    measure,
+    mesh_worker,
+    moe_variants,
+)
 from dtrain.distributed import init_distributed
 from dtrain.metrics import peak_flops
 
@@ -35,7 +46,9 @@ def run_worker(kind: str, args: argparse.Namespace, nproc: int) -> list[dict] | 
         out = Path(folder) / "result.json"
         forwarded = [f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()]
         forwarded = [
-            a for a in forwarded if not a.startswith(("--worker", "--out", "--meshes", "--hf", "--lora"))
+            a
+            for a in forwarded
+            if not a.startswith(("--worker", "--out", "--meshes", "--hf", "--lora", "--moe"))
         ]
         module = ["-m", "dtrain.bench", "--worker", kind, "--out", str(out), *forwarded]
         if kind == "trainer":
@@ -96,6 +109,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--meshes", default="default", help="comma-separated DPxTP meshes; '' for none")
     parser.add_argument("--hf-trainer", type=int, default=1, help="1: add the HF Trainer variant")
     parser.add_argument("--lora-r", type=int, default=16, help="> 0: add PEFT's and dtrain 1x1's LoRA rows")
+    parser.add_argument("--moe", type=int, default=1, help="1: the mixture-of-experts table (Qwen3-MoE)")
     parser.add_argument("--worker-timeout", type=int, default=600)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a mesh (DPxTP) or 'trainer'
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -141,7 +155,15 @@ def main(argv: list[str] | None = None) -> None:
         found = run_worker(mesh, args, dp * tp)
         results += [Result(**r) for r in found] if isinstance(found, list) else [f"dtrain {mesh}: {found}"]
     header = f"batch {args.batch} x seq {args.seq} per dp rank, {setup.precision}; "
-    print_table(results, device, header + f"best of {args.rounds} rounds of {args.steps} steps")
+    header += f"best of {args.rounds} rounds of {args.steps} steps"
+    print_table(results, device, header)
+    if args.moe:
+        moe = Setup(**{**asdict(setup), "model": dict(TINY_MOE_MODEL)})
+        moe_results: list[Result | str] = list(measure(moe_variants(moe, device), moe, device, args))
+        found = run_worker("moe-ep2", args, 2)
+        moe_results += [Result(**r) for r in found] if isinstance(found, list) else [f"MoE ep2: {found}"]
+        print()
+        print_table(moe_results, device, "Qwen3-MoE, 8 experts, top-2, HF's aux loss; " + header)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ def trainer_worker(setup: Setup, args: argparse.Namespace) -> list[Result]:
     if device.type == "cpu":
         keep_freed_host_memory()  # as init_distributed does for the other variants
     mb = make_batch(setup, torch.device("cpu"))
-    rows = [{key: value[i] for key, value in mb.items()} for i in range(setup.batch)]
+    model_inputs = ("input_ids", "labels", "position_ids")  # not dtrain's num_tokens
+    rows = [{key: mb[key][i] for key in model_inputs} for i in range(setup.batch)]
     total = args.warmup + args.rounds * args.steps
     durations: list[float] = []
 

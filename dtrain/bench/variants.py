@@ -1,9 +1,10 @@
 """What `python -m dtrain.bench` runs: the model, the fixed batch, and each variant's step (a plain
 PyTorch + transformers loop, dtrain's step on a mesh), timed in alternating rounds.
 
-dtrain's variants run exactly the trainer's per-step functions (dtrain.step: micro_step,
-optimizer_step) on the model build_model() makes, so hooks, DTensor and loss-parallel overhead are
-all in the figure. bench/gpu_check.py reuses these pieces on a Llama-3.2-1B shape."""
+dtrain's variants run exactly the trainer's per-step functions (the objective's begin_step and
+micro_step, dtrain.step's optimizer_step) on the model build_model() makes, so hooks, DTensor,
+loss-parallel and a mixture of experts' routing and aux-loss overhead are all in the figure.
+bench/gpu_check.py reuses these pieces on a Llama-3.2-1B shape."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from dtrain.config import (
     DataConfig,
     LoraConfig,
     ModelConfig,
+    MoeConfig,
     OptimConfig,
     ParallelConfig,
     TrainConfig,
@@ -32,8 +34,10 @@ from dtrain.distributed import build_parallel, init_distributed
 from dtrain.loss import IGNORE
 from dtrain.metrics import flops_per_token
 from dtrain.model import build_model, load_model_config
+from dtrain.objective import build_objective
 from dtrain.optim import build_optimizer, trainable_parameters
-from dtrain.step import micro_step, optimizer_step
+from dtrain.parallel.experts import idle_parameters
+from dtrain.step import optimizer_step, with_filled_slots
 
 TINY_MODEL = dict(
     model_type="llama",
@@ -44,6 +48,20 @@ TINY_MODEL = dict(
     num_attention_heads=4,
     num_key_value_heads=4,
     max_position_embeddings=512,
+)
+# The mixture-of-experts rows (--moe): a Qwen3-MoE of the same width and depth, 8 experts a layer,
+# top-2, HF's router aux loss on (its coefficient Qwen3-MoE's default); expert sizes multiples of 4, so
+# grouped_mm runs on the CPU in fp32 (dtrain's experts and HF's default, transformers' grouped_mm).
+TINY_MOE_MODEL = dict(
+    TINY_MODEL,
+    model_type="qwen3_moe",
+    moe_intermediate_size=128,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    output_router_logits=True,
+    router_aux_loss_coef=0.001,
 )
 LR, MAX_NORM = 1e-3, 1.0
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # Llama's
@@ -64,6 +82,7 @@ class Setup:
     loss_impl: str = "dense"  # dtrain only: parallel.loss_impl
     loss_chunk: int = 0  # dtrain only: parallel.loss_chunk (chunked and fused)
     lora_r: int = 0  # > 0: LoRA adapters of this rank on every projection (PEFT in the plain loop)
+    aux_scope: str = "micro_step"  # dtrain only, a mixture of experts: moe.aux_scope
 
 
 @dataclass
@@ -93,8 +112,9 @@ class Result:
 
 
 def make_batch(setup: Setup, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """One fixed random micro-batch. The first quarter of each document is prompt (no targets); with
-    packing each row holds documents of random lengths, each restarting position_ids."""
+    """One fixed random micro-batch, every slot a token (`num_tokens`: the rows' length). The first
+    quarter of each document is prompt (no targets); with packing each row holds documents of random
+    lengths, each restarting position_ids."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, setup.model["vocab_size"], (setup.batch, setup.seq + 1), generator=generator)
     labels, positions = ids[:, 1:].clone(), torch.empty(setup.batch, setup.seq, dtype=torch.long)
@@ -112,6 +132,7 @@ def make_batch(setup: Setup, device: torch.device, seed: int = 0) -> dict[str, t
         "input_ids": ids[:, :-1].to(device),
         "labels": labels.to(device),
         "position_ids": positions.to(device),
+        "num_tokens": torch.full((setup.batch,), setup.seq, device=device),
     }
 
 
@@ -127,7 +148,8 @@ def hf_model(setup: Setup, device: torch.device) -> torch.nn.Module:
 def plain_loop(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device) -> Step:
     """The baseline: a Hugging Face model (its default sdpa attention; packed rows get its own
     document mask from the restarting position_ids), AdamW (fused, as dtrain's), summed token loss /
-    tokens, clip, step."""
+    tokens (a mixture of experts: + coef · HF's aux loss of the batch, from the same forward), clip,
+    step."""
     model = hf_model(setup, device)
     if setup.lora_r:
         from peft import LoraConfig, get_peft_model
@@ -142,11 +164,14 @@ def plain_loop(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device) 
     tokens = (mb["labels"] != IGNORE).sum().float()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=setup.precision == "bf16")
 
+    router = {"output_router_logits": True} if getattr(model.config, "output_router_logits", False) else {}
+
     def step() -> None:
         with autocast:
-            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(), reduction="sum")
-        (loss / tokens).backward()
+            out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False, **router)
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), mb["labels"].flatten(), reduction="sum")
+        aux = model.config.router_aux_loss_coef * out.aux_loss if router else 0.0
+        (loss / tokens + aux).backward()
         torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -154,8 +179,12 @@ def plain_loop(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device) 
     return step
 
 
-def dtrain_step(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device, dp: int, tp: int) -> Step:
-    """dtrain's model (build_model on the dp×tp mesh of this process group) and its step functions."""
+def dtrain_step(
+    setup: Setup, mb: dict[str, torch.Tensor], device: torch.device, dp: int, tp: int, ep: int = 1
+) -> Step:
+    """dtrain's model (build_model on the dp×tp mesh of this process group, experts split over `ep`)
+    and the trainer's step: the objective's step (its global counts; forward, loss and backward;
+    a mixture of experts: the router's record and aux loss, setup.aux_scope's), then clip and AdamW."""
     world = dist.get_world_size()
     config = Config(
         model=ModelConfig(config=dict(setup.model), init="random", tokenizer=str(TOKENIZER)),
@@ -163,6 +192,7 @@ def dtrain_step(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device,
         parallel=ParallelConfig(
             tp=tp,
             dp_shard=dp,
+            ep=ep,
             loss_impl=setup.loss_impl,
             loss_chunk=setup.loss_chunk,
             compile=setup.compile,
@@ -170,17 +200,21 @@ def dtrain_step(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device,
         optim=OptimConfig(lr=LR, max_grad_norm=MAX_NORM, schedule="constant"),
         train=TrainConfig(global_batch_size=setup.batch * dp, micro_batch_size=setup.batch),
         lora=LoraConfig(r=setup.lora_r, alpha=2.0 * setup.lora_r),
+        moe=MoeConfig(aux_scope=setup.aux_scope),
     )
     config.train.precision = setup.precision
     model_config = load_model_config(config.model)
     shape = check_config(config, world, model_config, files=False)
-    model = build_model(model_config, config, build_parallel(shape, device), device)
+    parallel = build_parallel(shape, device)
+    model = build_model(model_config, config, parallel, device)
     optimizer = build_optimizer(model, config.optim)
     params = trainable_parameters(model)
-    tokens = (mb["labels"] != IGNORE).sum().float() * dp  # every dp rank's batch has as many
+    objective = build_objective(config, model, parallel)
+    batch = with_filled_slots(mb)
 
     def step() -> None:
-        micro_step(model, mb, tokens, True, setup.loss_impl, setup.loss_chunk)
+        objective.begin_step([batch])
+        objective.micro_step(batch)
         optimizer_step(optimizer, params, MAX_NORM)
 
     return step
@@ -214,7 +248,7 @@ def flops(setup: Setup) -> float:
     config = AutoConfig.for_model(**setup.model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters()) - idle_parameters(model)  # experts: top-k's
     projections = [m for n, m in model.named_modules() if n.endswith(tuple(PROJECTIONS))]
     adapters = sum(setup.lora_r * (m.in_features + m.out_features) for m in projections)
     return flops_per_token(config, total + adapters, setup.seq, adapters if setup.lora_r else None)
@@ -284,11 +318,29 @@ def lora_variants(setup: Setup, device: torch.device, r: int) -> dict[str, Calla
     }
 
 
+def moe_variants(setup: Setup, device: torch.device) -> dict[str, Callable[[], Step]]:
+    """A mixture of experts (setup.model: TINY_MOE_MODEL) with HF's aux loss: the plain loop, then
+    dtrain 1x1 with each moe.aux_scope."""
+    mb = make_batch(setup, device)
+    builds = {"MoE plain loop + HF aux loss": lambda: plain_loop(setup, mb, device)}
+    for scope in ("micro_step", "global_batch"):
+        scoped = Setup(**{**asdict(setup), "aux_scope": scope})
+        builds[f"MoE dtrain 1x1 {scope}"] = lambda s=scoped: dtrain_step(s, mb, device, 1, 1)
+    return builds
+
+
 def mesh_worker(kind: str, setup: Setup, args: argparse.Namespace) -> list[Result]:
-    """Under torchrun: dtrain on the DPxTP mesh named by `kind`, one micro-batch per dp rank."""
-    dp, tp = (int(n) for n in kind.split("x"))
+    """Under torchrun: dtrain on the DPxTP mesh named by `kind`, one micro-batch per dp rank; `moe-epN`:
+    the mixture of experts on dp N with its experts split over ep = N (the default aux scope)."""
     device = init_distributed(timeout_s=300)
+    if kind.startswith("moe-ep"):
+        ep = dp = int(kind.removeprefix("moe-ep"))
+        moe = Setup(**{**asdict(setup), "model": dict(TINY_MOE_MODEL)})
+        mb = make_batch(moe, device, seed=dist.get_rank())  # each dp rank its own rows: real routing
+        builds = {f"MoE dtrain ep{ep} (dp {dp}) micro_step": lambda: dtrain_step(moe, mb, device, dp, 1, ep)}
+        return measure(builds, moe, device, args, devices=dist.get_world_size(), dp=dp)
     mb = make_batch(setup, device, seed=0)  # tp ranks must agree; dp ranks may too (same cost)
+    dp, tp = (int(n) for n in kind.split("x"))
     # The loss variants where tp shards the vocabulary (their collectives are the difference).
     builds = loss_variants(f"dtrain {kind}", setup, mb, device, dp, tp, args.loss_chunk if tp > 1 else 0)
     results = measure(builds, setup, device, args, devices=dist.get_world_size(), dp=dp)

@@ -66,6 +66,8 @@ ROUTERS = {"gpt_oss": "router"}
 PLAN_IMBALANCE = 1.5
 # Set on each experts module by `shard_experts`: the ep mesh its tokens travel over (None: ep = 1).
 EP_MESH = "dtrain_ep_mesh"
+# Set on each experts module by `compile_experts` (parallel.compile=true): its compiled grouped_experts.
+COMPILED_EXPERTS = "dtrain_compiled_experts"
 
 
 def num_experts(model_config: Any) -> int:
@@ -86,6 +88,17 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.ndim == 3:
             found.append((name, module))
     return found
+
+
+def idle_parameters(model: nn.Module) -> int:
+    """Expert parameters a token does not use: of each layer's experts, all but its top-k's share
+    (num_experts_per_tok of num_experts). What FLOPs per token leave out of a model's parameters."""
+    found = experts_modules(model)
+    if not found:
+        return 0
+    config = model.config
+    experts = sum(p.numel() for _, module in found for p in module.parameters())  # global counts
+    return experts - experts * config.num_experts_per_tok // num_experts(config)
 
 
 def expert_placements(ep: int, tp: int) -> list:
@@ -206,10 +219,13 @@ def local_experts(
             experts = torch.repeat_interleave(
                 torch.arange(len(counts), device=rows.device), sizes, output_size=rows.shape[0]
             )
-        hidden = _grouped(rows, weights.gate_up, weights.gate_up_bias, offsets, experts, weights.transposed)
-        return _grouped(
-            module._apply_gate(hidden), weights.down, weights.down_bias, offsets, experts, weights.transposed
-        )
+        compiled = getattr(module, COMPILED_EXPERTS, None)
+        if compiled is None or weights.gate_up.dtype != torch.bfloat16:  # grouped_mm traces in bf16 only
+            return grouped_experts(module, rows, offsets, experts, weights)
+        torch._dynamo.maybe_mark_dynamic(rows, 0)  # the routing sizes it: one graph for every size
+        if experts is not None:
+            torch._dynamo.maybe_mark_dynamic(experts, 0)
+        return compiled(module, rows, offsets, experts, weights)
     outs = []
     for expert, part in enumerate(rows.split(counts)):
         hidden = _linear(part, weights.gate_up, weights.gate_up_bias, expert, weights.transposed)
@@ -217,6 +233,32 @@ def local_experts(
             _linear(module._apply_gate(hidden), weights.down, weights.down_bias, expert, weights.transposed)
         )
     return torch.cat(outs)
+
+
+def grouped_experts(
+    module: nn.Module,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    experts: torch.Tensor | None,
+    weights: LocalWeights,
+) -> torch.Tensor:
+    """grouped_mm's path of local_experts: the gate and up projections of every row in one grouped
+    matmul, the module's gate, the down projection in another (`offsets`: where each expert's rows
+    end; `experts`: each row's expert, for the biases)."""
+    hidden = _grouped(rows, weights.gate_up, weights.gate_up_bias, offsets, experts, weights.transposed)
+    return _grouped(
+        module._apply_gate(hidden), weights.down, weights.down_bias, offsets, experts, weights.transposed
+    )
+
+
+def compile_experts(module: nn.Module) -> None:
+    """parallel.compile=true: the module's grouped_mm path (grouped_experts: both grouped matmuls and
+    the gate between them, fused) as one graph whose row count is dynamic (the routing sets it each
+    call), shared by every layer of the family. The dispatch around it stays eager: its buffers are
+    sized on the host from the routing (all-to-all splits), a graph break by nature. In bf16 only
+    (bf16 training on CUDA): grouped_mm's traced (fake) kernel takes CUDA's dtypes whatever the device,
+    so an fp32 run computes its experts eagerly (the loop where grouped_mm has no kernel, too)."""
+    setattr(module, COMPILED_EXPERTS, torch.compile(grouped_experts, fullgraph=True))
 
 
 def _grouped(

@@ -10,7 +10,7 @@ import functools
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -131,9 +131,33 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: str) -> None:
 def apply_compile(layers: nn.ModuleList) -> None:
     """torch.compile each decoder layer (all layers share one graph: same code, parameters as
     inputs). The embedding, final norm, head and loss stay eager; FSDP's hooks stay outside the
-    compiled region because fully_shard wraps the compiled module."""
+    compiled region because fully_shard wraps the compiled module. A layer with experts: its parts
+    (compile_sparse_layer)."""
     for index, layer in enumerate(layers):
-        layers[index] = torch.compile(layer, fullgraph=True)
+        if experts.experts_modules(layer):
+            compile_sparse_layer(layer)
+        else:
+            layers[index] = torch.compile(layer, fullgraph=True)
+
+
+def compile_sparse_layer(layer: nn.Module) -> None:
+    """A mixture-of-experts layer cannot be one graph: its dispatch sizes buffers from the routing on
+    the host (the all-to-all's splits, the rows per expert), and at ep > 1 FSDP's hooks of the experts
+    module sit inside it. So each dense part is compiled whole and in place (attention, norms, the
+    router: one graph each, shared by the layers), and the experts' grouped matmuls with the gate
+    between them as one graph of dynamic row count (experts.compile_experts); the dispatch, the
+    layer's residual adds and the block's reshapes stay eager (torchtitan compiles its MoE layers
+    so)."""
+    block = layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
+    for child in block.children():
+        if not experts.experts_modules(child):
+            child.compile(fullgraph=True)
+            continue
+        for part in child.children():  # the sparse block: its router and its experts
+            if experts.experts_modules(part):
+                experts.compile_experts(part)
+            else:
+                part.compile(fullgraph=True)
 
 
 def apply_fsdp(
