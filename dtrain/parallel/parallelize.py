@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dtrain.config import ConfigError, LoraConfig, ParallelConfig
@@ -93,7 +93,7 @@ def parallelize(
         lora.apply_lora(model, layers, lora_settings, dtype, seed * 65_537 + shard)
     apply_activation_checkpointing(layers, settings.activation_checkpointing)
     if settings.compile:
-        apply_compile(layers)
+        apply_compile(layers, sequence_parallel_norms(model, parallel, settings))
     apply_fsdp(model, layers, parallel, settings, precision)
     check_on_mesh(model, parallel)
     return model
@@ -128,28 +128,41 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: str) -> None:
         layers[index] = checkpoint_wrapper(layer, **options)
 
 
-def apply_compile(layers: nn.ModuleList) -> None:
+def apply_compile(layers: nn.ModuleList, eager: set[str]) -> None:
     """torch.compile each decoder layer (all layers share one graph: same code, parameters as
     inputs). The embedding, final norm, head and loss stay eager; FSDP's hooks stay outside the
     compiled region because fully_shard wraps the compiled module. A layer with experts: its parts
-    (compile_sparse_layer)."""
+    but `eager` (compile_sparse_layer)."""
     for index, layer in enumerate(layers):
         if experts.experts_modules(layer):
-            compile_sparse_layer(layer)
+            compile_sparse_layer(layer, eager)
         else:
             layers[index] = torch.compile(layer, fullgraph=True)
 
 
-def compile_sparse_layer(layer: nn.Module) -> None:
+def sequence_parallel_norms(model: nn.Module, parallel: Parallel, settings: ParallelConfig) -> set[str]:
+    """A decoder layer's children under torch's SequenceParallel style (its norms at tp > 1 with
+    sequence parallel). Compiled, their weights' gradients come out wrong (torch 2.13 with aot_eager:
+    the first step's grad norm 0.92x eager's for Qwen3-MoE at tp = 2, 0.85x for a Llama whose whole
+    layer is compiled), so a mixture-of-experts layer leaves them eager."""
+    if parallel.tp_size == 1:
+        return set()
+    plan = TP_PLANS[model.config.model_type].layer_plan(settings.sequence_parallel)
+    return {name for name, style in plan.items() if isinstance(style, SequenceParallel)}
+
+
+def compile_sparse_layer(layer: nn.Module, eager: set[str]) -> None:
     """A mixture-of-experts layer cannot be one graph: its dispatch sizes buffers from the routing on
     the host (the all-to-all's splits, the rows per expert), and at ep > 1 FSDP's hooks of the experts
-    module sit inside it. So each dense part is compiled whole and in place (attention, norms, the
-    router: one graph each, shared by the layers), and the experts' grouped matmuls with the gate
-    between them as one graph of dynamic row count (experts.compile_experts); the dispatch, the
-    layer's residual adds and the block's reshapes stay eager (torchtitan compiles its MoE layers
+    module sit inside it. So each dense part but `eager` is compiled whole and in place (attention,
+    norms, the router: one graph each, shared by the layers), and the experts' grouped matmuls with
+    the gate between them as one graph of dynamic row count (experts.compile_experts); the dispatch,
+    the layer's residual adds and the block's reshapes stay eager (torchtitan compiles its MoE layers
     so)."""
     block = layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
-    for child in block.children():
+    for name, child in block.named_children():
+        if name in eager:
+            continue
         if not experts.experts_modules(child):
             child.compile(fullgraph=True)
             continue
