@@ -22,11 +22,19 @@
 #      dataset at 2048 tokens; its metrics.jsonl gives tokens/s, MFU (forward + activation
 #      gradients over the base, weight gradients for the adapters only) and peak memory. The dry run
 #      trains the embedded tiny Llama with lora.r=16 for 2 steps instead.
+#    - moe: `torchrun -m dtrain.sft +experiment=qwen3_moe_30b_a3b_ep8` (issue 42) on every GPU of the
+#      machine with parallel.ep = their count (1 on a one-GPU machine: no all-to-all then, the
+#      grouped GEMMs, router and aux loss all the same), 4 of its 48 layers (128 experts, top-8; a
+#      layer's experts 0.6 B parameters), random init, bf16, the router's aux loss on (its default
+#      scope, micro_step), packed rows of 2048 tokens, 10 steps; metrics.jsonl gives tokens/s, MFU
+#      (FLOPs of the top-8 experts a token uses) and peak memory. The dry run: 2 gloo processes,
+#      ep = 2, the same experiment shrunk to a tiny width, 2 steps.
 # 3. A short table: each check's status, seconds and figures file ($OUT/summary.txt too).
 #
 # Exit status: 0 when every check passed, 1 otherwise. Per-check limits (seconds) come from
-# T_ESTIMATE, T_SFT, T_LORA, T_TESTS and T_GPU_CHECK; on the GPU the defaults sum to 9.5 minutes, under one
-# device command; the dry run allows each 5 minutes (a shared CPU is slow, and it times nothing).
+# T_ESTIMATE, T_SFT, T_LORA, T_TESTS, T_MOE and T_GPU_CHECK; on the GPU the defaults sum to 9.5
+# minutes, under one device command; the dry run allows each 5 minutes (a shared CPU is slow, and it
+# times nothing).
 set -uo pipefail
 
 # One function, parsed whole before it runs: editing this file during a run cannot break that run.
@@ -68,8 +76,15 @@ main() {
     echo "dry run: dtrain is already installed in this environment; no pip install"
     DRY_FLAG=(--dry-run)
     SFT_STEPS=2
-    : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_LORA:=300}" "${T_TESTS:=300}" "${T_GPU_CHECK:=300}"
+    : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_LORA:=300}" "${T_TESTS:=300}" "${T_MOE:=300}"
+    : "${T_GPU_CHECK:=300}"
     LORA_RUN=(lora.r=16 train.max_steps=2 parallel.tp=1 train.precision=bf16)
+    MOE_PROCS=2
+    MOE_SHAPE=(model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft data.max_len=64 train.max_steps=2
+      train.global_batch_size=4 +model.config.vocab_size=1024 +model.config.hidden_size=64
+      +model.config.moe_intermediate_size=32 +model.config.num_attention_heads=4
+      +model.config.num_key_value_heads=2 +model.config.head_dim=16 +model.config.num_experts=8
+      +model.config.num_experts_per_tok=2 +model.config.num_hidden_layers=2)
   else
     echo "torch==${TORCH_BEFORE%% *}" >"$OUT/constraints.txt"
     "$PYTHON" -m pip install -q -e "$ROOT" -c "$OUT/constraints.txt" >"$OUT/install.log" 2>&1 || {
@@ -86,12 +101,18 @@ main() {
     SFT_STEPS=20
     LORA_RUN=(+experiment=llama3_8b_lora model.init=random model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft
       data.packing=true data.max_len=2048 train.max_steps=10 train.global_batch_size=8)
+    MOE_PROCS="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')"
+    MOE_SHAPE=(model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft data.packing=true data.max_len=2048
+      train.max_steps=10 "train.global_batch_size=$((8 * MOE_PROCS))" +model.config.num_hidden_layers=4)
   fi
+  # the architecture dtrain ships (a local folder: nothing is downloaded), random init
+  MOE_RUN=(+experiment=qwen3_moe_30b_a3b_ep8 model.name_or_path=dtrain/assets/architectures/Qwen/Qwen3-30B-A3B
+    model.init=random "parallel.ep=$MOE_PROCS" +model.config.output_router_logits=true "${MOE_SHAPE[@]}")
 
   check estimate "${T_ESTIMATE:-90}" "$OUT/estimate.json" \
     "$PYTHON" bench/gpu_estimate_check.py "${DRY_FLAG[@]}" --json "$OUT/estimate.json"
 
-  check sft "${T_SFT:-120}" "$OUT/sft/metrics.jsonl" \
+  check sft "${T_SFT:-90}" "$OUT/sft/metrics.jsonl" \
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.sft \
     "train.max_steps=$SFT_STEPS" parallel.tp=1 train.precision=bf16 checkpoint.save_final=false \
     "hydra.run.dir=$OUT/sft"
@@ -109,7 +130,11 @@ main() {
     ROWS+=("$(printf '%-12s %-10s %6ss  %s' cuda_tests "none" 0 "no test file holds $CUDA_ONLY")")
   fi
 
-  check gpu_check "${T_GPU_CHECK:-240}" "$OUT/gpu_check.json" \
+  check moe "${T_MOE:-75}" "$OUT/moe/metrics.jsonl" \
+    "$PYTHON" -m torch.distributed.run --standalone "--nproc_per_node=$MOE_PROCS" -m dtrain.sft \
+    "${MOE_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/moe"
+
+  check gpu_check "${T_GPU_CHECK:-195}" "$OUT/gpu_check.json" \
     "$PYTHON" bench/gpu_check.py "${DRY_FLAG[@]}" --json "$OUT/gpu_check.json"
 
   {

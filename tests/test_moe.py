@@ -151,13 +151,14 @@ def test_loss_aux_loss_grad_norm_and_weights_match_single_process_hf(runs, ref, 
 def test_each_aux_scope_matches_hf_over_its_rows_on_every_mesh(runs, model_dir, name, tmp_path_factory):
     """moe.aux_scope=global_batch on ep 4, ep 2 × tp 2, ep 2 × dp_shard 2 and cp 2 × ep 2, and
     micro_step on cp 2 × ep 2 (unpacked rows, whose padding falls unevenly on the cp ranks), with
-    and without the padding in the aux loss, and ep 2 × tp 2 with parallel.compile=true (SCOPE_RUNS,
-    COMPILED: its layers' dense parts and routers compiled), SCOPE_STEPS steps: every step's loss, aux
+    and without the padding in the aux loss, ep 2 × tp 2 with parallel.compile=true (SCOPE_RUNS,
+    COMPILED: its layers' attention and routers compiled), SCOPE_STEPS steps: every step's loss, aux
     loss and grad norm are those of HF's run with its aux loss over the same rows (aux_reference), so
     each step's gradient norm and, through the updates, its direction are HF's. The final weights are
     the default scope's check (above): here the masked global_batch runs have an embedding gradient
     element that cancels to 4e-9 among entries of 1e-2 at step 2, under AdamW's eps, whose update
-    then turns on its float noise (issue 45's error model), and the gap it leaves propagates."""
+    then turns on its float noise (issue 45's error model), and the gap it leaves propagates (the
+    next step's loss and grad norm are checked, as they see the update, within RTOL)."""
     *_, scope, mask_padding = SCOPE_RUNS[name]
     ref = aux_reference(reference_cache_dir(tmp_path_factory), model_dir, SCOPE_STEPS, scope, mask_padding)
     history = runs[name]["history"]
