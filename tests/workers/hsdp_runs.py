@@ -83,9 +83,12 @@ def moe_run(model_dir: Path, out: Path, device: torch.device) -> dict:
     """MOE_MESH through the trainer: the history and final full weights, both meshes' sharding
     asserted (the dense parameters as any dense model's, the experts over efsdp, ep and tp)."""
     dp, tp, ep = MOE_MESH
-    # moe_config: one micro-batch of 4 rows per dp rank (accumulation with experts is test_moe's
-    # ep2_tp2; 2 micro-batches here would cost 16 s more CPU over the 8 ranks)
-    result = run(moe_config(model_dir, dp, tp, ep), "moe", out, device)
+    # one micro-batch of 4 rows per dp rank, the whole global batch a micro-step (accumulation with
+    # experts is test_moe's; 2 micro-batches here would cost 16 s more CPU over the 8 ranks), so the
+    # default aux scope (micro_step, padding left out) is HF's aux loss of the global batch's tokens
+    config = moe_config(model_dir, dp, tp, ep)
+    config.train.micro_batch_size = 4
+    result = run(config, "moe", out, device)
     one_backward(result.model)
     check_sharding(DenseView(result.model), result.optimizer, dp=dp, tp=tp)
     check_expert_sharding(result.model, result.optimizer, ep=ep, efsdp=dp // ep, tp=tp)
