@@ -301,17 +301,19 @@ def test_planned_model_state_is_the_real_runs_byte_for_byte(runs, model_dir, nam
 def test_qwen3_30b_a3b_experiment_plans_the_shipped_architecture():
     """The experiment resolves offline to the architecture dtrain ships (written by hand from Qwen's
     config.json), at ep = 8; transformers builds it (meta device) with the model card's figures:
-    30.5 B parameters in total, 3.3 B activated per token (8 of 128 experts)."""
+    30.5 B parameters in total, 3.3 B activated per token (8 of 128 experts), which are those the
+    trainer's FLOPs per token count (experts.idle_parameters left out)."""
     config = compose(["+experiment=qwen3_moe_30b_a3b_ep8", "estimate.world_size=8"])
     assert config.parallel.ep == 8
     model_config = load_model_config(config.model, offline=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     total = sum(p.numel() for p in model.parameters())
-    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-    active = total - experts + experts * model_config.num_experts_per_tok // model_config.num_experts
+    stacked = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    active = total - stacked + stacked * model_config.num_experts_per_tok // model_config.num_experts
     # the card's figures, as written (to the digit shown): 30.53 B and 3.35 B here
     assert 30.5e9 <= total < 30.6e9 and 3.3e9 <= active < 3.4e9, (total, active)
+    assert total - experts.idle_parameters(model) == active  # what FLOPs per token (mfu) count
 
 
 QWEN3_30B_A3B = ["+experiment=qwen3_moe_30b_a3b_ep8", "estimate.world_size=8"]
