@@ -80,7 +80,7 @@ main() {
     : "${T_GPU_CHECK:=300}"
     LORA_RUN=(lora.r=16 train.max_steps=2 parallel.tp=1 train.precision=bf16)
     MOE_PROCS=2
-    MOE_SHAPE=(model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft data.max_len=64 train.max_steps=2
+    MOE_SHAPE=(model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft data.max_samples=64 data.max_len=64 train.max_steps=2
       train.global_batch_size=4 +model.config.vocab_size=1024 +model.config.hidden_size=64
       +model.config.moe_intermediate_size=32 +model.config.num_attention_heads=4
       +model.config.num_key_value_heads=2 +model.config.head_dim=16 +model.config.num_experts=8

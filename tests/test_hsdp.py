@@ -48,7 +48,7 @@ def references(models, tmp_path_factory):
     return {
         "untied": reference_run(cache, models["untied"]),
         "packed": reference_run(cache, models["untied"], packed=True),
-        "moe": reference_run(cache, models["moe"], attention_mask=True),  # the default aux loss: tokens
+        "moe": reference_run(cache, models["moe"]),
     }
 
 
@@ -64,10 +64,9 @@ def test_2x2x2_matches_single_process_hf(runs, references, name, kind):
 @pytest.mark.slow
 def test_experts_over_efsdp_ep_and_tp_match_single_process_hf(runs, references):
     """The tiny Qwen3-MoE (8 experts, top-2, HF's aux loss on) at dp_shard 4 × tp 2 with ep 2, 10
-    steps (test_moe's config: one micro-batch a step here; test_moe's ep2_tp2 accumulates; so the
-    default aux scope, micro_step, is the global batch's, its padding left out): every step's loss
-    (with the aux loss), aux loss and grad norm and the final weights against `from_pretrained` + a
-    plain loop with HF's aux_loss given the rows' attention mask, as in test_moe. The worker asserted the
+    steps (test_moe's config: one micro-batch a step here; test_moe's ep2_tp2 accumulates): every
+    step's loss (with the aux loss), aux loss and grad norm and the final weights against
+    `from_pretrained` + a plain loop with HF's aux_loss, as in test_moe. The worker asserted the
     sharding: experts Shard(0) over ep, sharded over efsdp 2, replicated over tp
     (check_expert_sharding), the dense parameters over dp_shard 4 and tp 2 (check_sharding)."""
     run, ref = runs["moe"], references["moe"]

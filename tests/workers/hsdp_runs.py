@@ -84,10 +84,11 @@ def moe_run(model_dir: Path, out: Path, device: torch.device) -> dict:
     asserted (the dense parameters as any dense model's, the experts over efsdp, ep and tp)."""
     dp, tp, ep = MOE_MESH
     # one micro-batch of 4 rows per dp rank, the whole global batch a micro-step (accumulation with
-    # experts is test_moe's; 2 micro-batches here would cost 16 s more CPU over the 8 ranks), so the
-    # default aux scope (micro_step, padding left out) is HF's aux loss of the global batch's tokens
+    # experts is test_moe's; 2 micro-batches here would cost 16 s more CPU over the 8 ranks), every
+    # slot in the aux loss: HF's aux loss of the global batch without a mask, test_moe's global_batch
+    # reference (the aux scopes and padding are test_moe's; this run is about the mesh)
     config = moe_config(model_dir, dp, tp, ep)
-    config.train.micro_batch_size = 4
+    config.train.micro_batch_size, config.moe.aux_mask_padding = 4, False
     result = run(config, "moe", out, device)
     one_backward(result.model)
     check_sharding(DenseView(result.model), result.optimizer, dp=dp, tp=tp)
