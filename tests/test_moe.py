@@ -552,3 +552,10 @@ def test_bad_expert_parallel_configs_fail_before_launch(model_type, world, overr
     }[model_type]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         check_config(copy.deepcopy(config), world, model_config)
+
+
+def test_unknown_aux_scope_fails_before_launch():
+    config = parity_config(Path("/nonexistent"), 1, 1)
+    config.data.path, config.moe.aux_scope = str(DATASET), "batch"
+    with pytest.raises(ConfigError, match="moe.aux_scope='batch': must be one of micro_step, global_batch"):
+        check_config(config, 4, moe_model_config())
