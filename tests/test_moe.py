@@ -558,4 +558,4 @@ def test_unknown_aux_scope_fails_before_launch():
     config = parity_config(Path("/nonexistent"), 1, 1)
     config.data.path, config.moe.aux_scope = str(DATASET), "batch"
     with pytest.raises(ConfigError, match="moe.aux_scope='batch': must be one of micro_step, global_batch"):
-        check_config(config, 4, moe_model_config())
+        check_config(config, 1, moe_model_config())
