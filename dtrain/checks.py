@@ -170,6 +170,11 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     check_loss_support(model_config, parallel.loss_impl)
     if lora.enabled(config.lora):
         check_lora(config.lora, model_config, train.precision)
+    elif config.lora.base_dtype == "nf4":
+        raise ConfigError(
+            "lora.base_dtype=nf4 (QLoRA) stores the frozen base under LoRA adapters: "
+            "set lora.r (e.g. lora.r=16) or lora.adapter"
+        )
     if parallel.loss_impl in ("chunked", "fused") and parallel.loss_chunk < 1:
         raise ConfigError(
             f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 1 "
@@ -273,7 +278,7 @@ def check_lora(settings: LoraConfig, model_config: Any, precision: str) -> None:
     if not 0.0 <= settings.dropout < 1.0:
         raise ConfigError(f"lora.dropout={settings.dropout}: must be in [0, 1)")
     _one_of("lora.init", settings.init, ("default", "gaussian"))
-    _one_of("lora.base_dtype", settings.base_dtype, ("auto", "bf16", "fp32"))
+    _one_of("lora.base_dtype", settings.base_dtype, ("auto", "bf16", "fp32", "nf4"))
     if settings.base_dtype == "bf16" and precision != "bf16":
         raise ConfigError("lora.base_dtype=bf16 needs train.precision=bf16 (FSDP gathers one dtype)")
     with torch.device("meta"):

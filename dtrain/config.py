@@ -292,7 +292,9 @@ class LoraConfig:
     """rsLoRA: scale by alpha / sqrt(r)."""
     base_dtype: str = "auto"
     """dtype of the frozen base's weights: `auto` (train.precision's), `bf16` (2 bytes a parameter,
-    needs train.precision=bf16) or `fp32`. The adapters are fp32 always."""
+    needs train.precision=bf16), `fp32`, or `nf4` (QLoRA: every adapted weight in bitsandbytes' NF4,
+    about 0.52 bytes a parameter, dequantized for compute; the rest as `auto`; docs/lora.md). The
+    adapters are fp32 always."""
     adapter: str | None = None
     """A PEFT adapter folder to continue from: r, alpha, dropout, target modules and rsLoRA come
     from its adapter_config.json (the keys above are ignored), its weights start the adapters."""

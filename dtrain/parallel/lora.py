@@ -73,8 +73,9 @@ def resolve(settings: LoraConfig) -> LoraConfig:
 
 
 def base_dtype(settings: LoraConfig, precision: str) -> torch.dtype:
-    """lora.base_dtype as it runs: auto is the training precision (bf16 runs keep a bf16 base)."""
-    return DTYPES[precision if settings.base_dtype == "auto" else settings.base_dtype]
+    """lora.base_dtype as it runs: auto is the training precision (bf16 runs keep a bf16 base); nf4
+    too for the weights it leaves dense, and for what the NF4 ones are quantized from."""
+    return DTYPES[precision if settings.base_dtype in ("auto", "nf4") else settings.base_dtype]
 
 
 def scaling(settings: LoraConfig) -> float:

@@ -1,5 +1,6 @@
 """Apply, in this order: tensor parallel (every parameter covered; skipped at tp = 1) → re-tie
-embeddings → LoRA adapters (lora.r > 0: laid out by each base layer's TP style) → activation
+embeddings → LoRA adapters (lora.r > 0: laid out by each base layer's TP style; with
+lora.base_dtype=nf4 their base weights stored as NF4, dtrain/parallel/qlora.py) → activation
 checkpointing → torch.compile per decoder layer → FSDP2 per decoder layer
 and root. Then check that every parameter is a DTensor on the one mesh.
 """
@@ -18,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from dtrain.config import ConfigError, LoraConfig, ParallelConfig
 from dtrain.distributed import Parallel
-from dtrain.parallel import experts, gemma3, llama, lora, moe, olmo2, phi3, qwen3
+from dtrain.parallel import experts, gemma3, llama, lora, moe, olmo2, phi3, qlora, qwen3
 
 # By `config.model_type`. Mistral and Qwen2 name their modules as Llama does (Qwen2's q/k/v biases
 # are sharded with their colwise weights); Qwen3 adds per-head q/k norms; Gemma 3 four norms a
@@ -91,6 +92,8 @@ def parallelize(
         shard = parallel.dp_rank * parallel["cp"].size() + parallel["cp"].get_local_rank()
         dtype = lora.base_dtype(lora_settings, precision)
         lora.apply_lora(model, layers, lora_settings, dtype, seed * 65_537 + shard)
+        if lora_settings.base_dtype == "nf4":  # QLoRA: the adapted weights stored as NF4
+            qlora.quantize_base(model, parallel.shape.dp_shard * parallel.shape.cp)
     apply_activation_checkpointing(layers, settings.activation_checkpointing)
     if settings.compile:
         apply_compile(layers)
