@@ -373,5 +373,5 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         delta = (module.lora_B.weight @ module.lora_A.weight) * module.scaling
         if isinstance(weight, DTensor):
             delta = delta.redistribute(weight.device_mesh, weight.placements)
-        merged[f"{name}.weight"] = weight.float() + delta
+        merged[f"{name}.weight"] = weight.to(torch.float32, copy=True) + delta  # an NF4 base dequantizes
     return merged

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 BLOCK = 64  # elements per absmax (bitsandbytes' blocksize)
 SCALE_BLOCK = 256  # absmax values per second-level scale (compress_statistics=True)
@@ -43,12 +44,15 @@ ZERO_CODE = NF4_VALUES.index(0.0)  # what bitsandbytes packs into the unused hal
 
 
 @functools.cache
-def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(NF4 values, their midpoints, the dynamic map, its midpoints) on `device`, fp32."""
-    nf4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
-    dynamic = dynamic_map()
-    tables = (nf4, (nf4[:-1] + nf4[1:]) / 2, dynamic, (dynamic[:-1] + dynamic[1:]) / 2)
-    return tuple(t.to(device) for t in tables)
+def _tables(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(NF4 values, their midpoints, the dynamic map, its midpoints, a byte's two NF4 values) on
+    `device`, fp32. Real tensors even when first asked for under a fake mode (the planner's)."""
+    with unset_fake_temporarily():
+        nf4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
+        dynamic = dynamic_map()
+        pairs = torch.stack((nf4.repeat_interleave(16), nf4.repeat(16)), dim=-1)  # high nibble first
+        tables = (nf4, (nf4[:-1] + nf4[1:]) / 2, dynamic, (dynamic[:-1] + dynamic[1:]) / 2, pairs)
+        return tuple(t.to(device) for t in tables)
 
 
 def dynamic_map() -> torch.Tensor:
@@ -150,7 +154,7 @@ def double_quantize(absmax: torch.Tensor, layout: Layout) -> tuple[torch.Tensor,
         absmax[-1] = absmax[-1].clamp(min=1e-38)
     offset = absmax.mean()
     centred = absmax - offset
-    _, _, dynamic, bounds = _tables(torch.device("cpu"))
+    dynamic, bounds = _tables(torch.device("cpu"))[2:4]
     n, full = centred.numel(), centred.numel() - centred.numel() % SCALE_BLOCK
     state2 = F.pad(centred.abs(), (0, layout.groups * SCALE_BLOCK - n)).view(-1, SCALE_BLOCK).amax(-1)
     if n > full:  # a partial last group: its absmax stored clamped, its values divided by it
@@ -206,13 +210,18 @@ def scale_codes(codes: torch.Tensor, layout: Layout, first: int, rows: int) -> t
     return torch.where(touched, codes[blocks.clamp(max=layout.blocks - 1)], 0).to(torch.uint8)
 
 
+def scale_groups(layout: Layout, first: int, rows: int, device: torch.device) -> torch.Tensor:
+    """The state2 group (256-block of absmax values) of each of the rows' slots: (rows, slots) int64.
+    What dequantization indexes state2 with; FSDP's gathered piece keeps it (qlora.NF4Tensor)."""
+    blocks, _ = layout.slot_blocks(first, rows, device)
+    return blocks.clamp(max=layout.blocks - 1) // SCALE_BLOCK
+
+
 def block_scales(
-    scales: torch.Tensor, state2: torch.Tensor, offset: torch.Tensor, layout: Layout, first: int
+    scales: torch.Tensor, state2: torch.Tensor, offset: torch.Tensor, groups: torch.Tensor
 ) -> torch.Tensor:
-    """Each slot's absmax as bitsandbytes dequantizes it: dynamic[code] · state2[block // 256] + offset."""
+    """Each slot's absmax as bitsandbytes dequantizes it: dynamic[code] · state2[group] + offset."""
     dynamic = _tables(scales.device)[2]
-    blocks, _ = layout.slot_blocks(first, scales.shape[0], scales.device)
-    groups = blocks.clamp(max=layout.blocks - 1) // SCALE_BLOCK
     return dynamic[scales.long()] * state2[groups] + offset
 
 
@@ -224,14 +233,17 @@ def dequantize_rows(
     layout: Layout,
     first: int,
     out: torch.Tensor,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows `first`... of the piece, dequantized into `out` (rows, cols) in its dtype:
-    NF4[code] · absmax in fp32, then rounded once to the dtype (bitsandbytes' dequantize_4bit)."""
-    nf4 = _tables(packed.device)[0]
-    pairs = torch.stack((nf4.repeat_interleave(16), nf4.repeat(16)), dim=-1)  # a byte's two values
+    NF4[code] · absmax in fp32, then rounded once to the dtype (bitsandbytes' dequantize_4bit).
+    `groups`: scale_groups of these rows, if kept."""
+    pairs = _tables(packed.device)[4]
+    if groups is None:
+        groups = scale_groups(layout, first, packed.shape[0], packed.device)
     for start, stop in row_chunks(layout, packed.shape[0]):
         values = F.embedding(packed[start:stop].int(), pairs).flatten(-2)[:, : layout.cols]
-        absmax = block_scales(scales[start:stop], state2, offset, layout, first + start)
+        absmax = block_scales(scales[start:stop], state2, offset, groups[start:stop])
         if layout.aligned:
             values = values.view(stop - start, layout.slots, BLOCK).mul_(absmax[..., None])
         else:
@@ -239,11 +251,6 @@ def dequantize_rows(
             values = values.mul_(absmax.gather(1, slots))
         out[start:stop] = values.view(stop - start, layout.cols)
     return out
-
-
-def storage_bytes(layout: Layout, rows: int) -> int:
-    """Bytes this format keeps for `rows` rows of the piece: codes, scale codes, state2 and offset."""
-    return rows * (-(layout.cols // -2) + layout.slots) + 4 * (layout.groups + 1)
 
 
 def bnb_codes(codes: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,7 @@ class NF4Tensor(torch.Tensor):
     def __init__(self, packed, state2, offset, layout, first, shape, dtype) -> None:  # noqa: ANN001
         self.packed, self.state2, self.offset = packed, state2, offset
         self.piece, self.first = layout, first
+        self.gathered_groups: torch.Tensor | None = None  # nf4.scale_groups of the gathered piece
 
     @property
     def codes(self) -> torch.Tensor:
@@ -123,14 +124,17 @@ class NF4Tensor(torch.Tensor):
         (data,) = outputs
         width = _code_bytes(self.piece)
         codes, scales = data[:, :width], data[:, width:]
+        if self.gathered_groups is None:  # the piece's state2 index, the same at every gather
+            self.gathered_groups = nf4.scale_groups(self.piece, 0, data.shape[0], data.device)
+        args = (codes, scales, self.state2, self.offset, self.piece, 0)
         if out is None:
             dense = torch.empty((data.shape[0], self.piece.cols), dtype=param_dtype, device=data.device)
-            nf4.dequantize_rows(codes, scales, self.state2, self.offset, self.piece, 0, dense)
+            nf4.dequantize_rows(*args, dense, self.gathered_groups)
             return dense, (dense,)
         dense = out._local_tensor if isinstance(out, DTensor) else out
         # The same values again, into the tensor forward's autograd saved (FSDP freed its storage)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dense):
-            nf4.dequantize_rows(codes, scales, self.state2, self.offset, self.piece, 0, dense)
+            nf4.dequantize_rows(*args, dense, self.gathered_groups)
         return None
 
 
@@ -188,6 +192,11 @@ def _copy(self: NF4Tensor, source: torch.Tensor, non_blocking: bool = False) -> 
     return self
 
 
+def _to_copy(self: NF4Tensor, dtype: torch.dtype | None = None, device=None, **kwargs) -> torch.Tensor:  # noqa: ANN001, ANN003
+    """`.float()`, `.to(dtype)`: the rows dequantized (what a merge into the base starts from)."""
+    return self.dequantize(dtype).to(device or self.device)
+
+
 _OPS = {
     aten.detach.default: _alias,
     aten.alias.default: _alias,
@@ -199,6 +208,7 @@ _OPS = {
     aten.empty_like.default: _empty_like,
     aten.copy_.default: _copy,
     aten.is_pinned.default: lambda self, *args, **kwargs: False,
+    aten._to_copy.default: _to_copy,
 }
 
 
@@ -348,3 +358,31 @@ def storage_bytes(model: nn.Module) -> int:
         sum(getattr(local(p), name).untyped_storage().nbytes() for name in INNER)
         for p in nf4_parameters(model).values()
     )
+
+
+def bnb_quant_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Collective. An NF4 parameter's whole weight in bitsandbytes' QuantState layout, gathered on
+    every rank: `packed` ((numel + 1) // 2, 1) uint8 as quantize_4bit packs it, `absmax` the 8-bit
+    scale codes (blocks,), `state2` (groups,) and `offset` ()."""
+    tensor = local(param)
+    layout = tensor.piece
+    pieces: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    mine = (tensor.first, tensor.piece, tensor.codes.cpu(), tensor.scales.cpu())
+    if dist.is_initialized():
+        dist.all_gather_object(pieces, mine)
+    else:
+        pieces = [mine]
+    codes = torch.zeros(layout.shape, dtype=torch.uint8)
+    scales = torch.zeros(layout.blocks, dtype=torch.uint8)
+    for first, piece, packed, scale_codes in pieces:
+        rows = packed.shape[0]
+        top, left = piece.origin[0] + first, piece.origin[1]
+        codes[top : top + rows, left : left + piece.cols] = nf4.unpack(packed, piece.cols)
+        blocks, touched = piece.slot_blocks(first, rows, torch.device("cpu"))
+        scales[blocks[touched]] = scale_codes[touched]
+    return {
+        "packed": nf4.bnb_codes(codes),
+        "absmax": scales,
+        "state2": tensor.state2.cpu(),
+        "offset": tensor.offset.cpu().reshape(()),
+    }
