@@ -22,11 +22,17 @@
 #      dataset at 2048 tokens; its metrics.jsonl gives tokens/s, MFU (forward + activation
 #      gradients over the base, weight gradients for the adapters only) and peak memory. The dry run
 #      trains the embedded tiny Llama with lora.r=16 for 2 steps instead.
+#    - qlora: `+experiment=llama3_70b_qlora_tp2` (issue 44) on one GPU, at tp=1 and with 2 of
+#      Llama-3-70B's 80 decoder layers: its widths (hidden 8192, MLP 28672) in NF4, quantized from a
+#      random init on the GPU, dequantized after each all-gather; packed rows at 2048 tokens, 10
+#      steps. Its metrics.jsonl gives a 70B-shaped layer's step time, MFU and peak memory, to set next
+#      to the plan (docs/lora.md). The dry run: the tiny Llama with lora.base_dtype=nf4, 2 steps.
 # 3. A short table: each check's status, seconds and figures file ($OUT/summary.txt too).
 #
 # Exit status: 0 when every check passed, 1 otherwise. Per-check limits (seconds) come from
-# T_ESTIMATE, T_SFT, T_LORA, T_TESTS and T_GPU_CHECK; on the GPU the defaults sum to 9.5 minutes, under one
-# device command; the dry run allows each 5 minutes (a shared CPU is slow, and it times nothing).
+# T_ESTIMATE, T_SFT, T_LORA, T_QLORA, T_TESTS and T_GPU_CHECK; on the GPU the defaults of the checks that
+# run sum to 9.5 minutes, under one device command; the dry run allows each 5 minutes (a shared CPU
+# is slow, and it times nothing).
 set -uo pipefail
 
 # One function, parsed whole before it runs: editing this file during a run cannot break that run.
@@ -68,8 +74,9 @@ main() {
     echo "dry run: dtrain is already installed in this environment; no pip install"
     DRY_FLAG=(--dry-run)
     SFT_STEPS=2
-    : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_LORA:=300}" "${T_TESTS:=300}" "${T_GPU_CHECK:=300}"
+    : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_LORA:=300}" "${T_QLORA:=300}" "${T_TESTS:=300}" "${T_GPU_CHECK:=300}"
     LORA_RUN=(lora.r=16 train.max_steps=2 parallel.tp=1 train.precision=bf16)
+    QLORA_RUN=(lora.r=16 lora.base_dtype=nf4 train.max_steps=2 parallel.tp=1 train.precision=bf16)
   else
     echo "torch==${TORCH_BEFORE%% *}" >"$OUT/constraints.txt"
     "$PYTHON" -m pip install -q -e "$ROOT" -c "$OUT/constraints.txt" >"$OUT/install.log" 2>&1 || {
@@ -86,6 +93,9 @@ main() {
     SFT_STEPS=20
     LORA_RUN=(+experiment=llama3_8b_lora model.init=random model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft
       data.packing=true data.max_len=2048 train.max_steps=10 train.global_batch_size=8)
+    QLORA_RUN=(+experiment=llama3_70b_qlora_tp2 parallel.tp=1 +model.config.num_hidden_layers=2 model.init=random
+      model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft data.packing=true data.max_len=2048
+      train.max_steps=10 train.global_batch_size=8)
   fi
 
   check estimate "${T_ESTIMATE:-90}" "$OUT/estimate.json" \
@@ -100,6 +110,10 @@ main() {
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.sft \
     "${LORA_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/lora"
 
+  check qlora "${T_QLORA:-90}" "$OUT/qlora/metrics.jsonl" \
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.sft \
+    "${QLORA_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/qlora"
+
   CUDA_ONLY='skipif(not torch.cuda.is_available(), reason="needs a GPU")'
   mapfile -t CUDA_TESTS < <(grep -lF "$CUDA_ONLY" tests/test_*.py 2>/dev/null)
   if [ "${#CUDA_TESTS[@]}" -gt 0 ]; then
@@ -109,7 +123,7 @@ main() {
     ROWS+=("$(printf '%-12s %-10s %6ss  %s' cuda_tests "none" 0 "no test file holds $CUDA_ONLY")")
   fi
 
-  check gpu_check "${T_GPU_CHECK:-240}" "$OUT/gpu_check.json" \
+  check gpu_check "${T_GPU_CHECK:-210}" "$OUT/gpu_check.json" \
     "$PYTHON" bench/gpu_check.py "${DRY_FLAG[@]}" --json "$OUT/gpu_check.json"
 
   {

@@ -1,10 +1,10 @@
 """The small experiments the planner is checked against a real gloo run on (4 ranks): the embedded
 default (tiny Llama, shipped data) with accumulation, with and without activation checkpointing, with
 the fused loss, with a large vocabulary, with context parallel on packed rows, and LoRA on a frozen
-bf16 base in a bf16 run. The same overrides go to the planner and to the real run; each names its
-loss (`parallel.loss_impl`), so a change of the default changes none. One scenario accumulates 4
-micro-batches (the planner tracks 2 of any accumulation: this checks that two stand for more); the
-others 2, which is all the planner runs, to keep the real run short.
+bf16 base and on an NF4 one (QLoRA) in a bf16 run. The same overrides go to the planner and to the
+real run; each names its loss (`parallel.loss_impl`), so a change of the default changes none. One
+scenario accumulates 4 micro-batches (the planner tracks 2 of any accumulation: this checks that two
+stand for more); the others 2, which is all the planner runs, to keep the real run short.
 
 `python -m tests.estimate_scenarios [NAME ...]` prints, by name, the planner's JSON (as `python -m
 dtrain.estimate ... estimate.format=json` does) of each scenario NAME (default: all), planned with the
@@ -66,6 +66,17 @@ SCENARIOS = {
         "train.precision=bf16",
         "lora.r=8",
         "lora.base_dtype=bf16",
+        "parallel.loss_impl=dense",
+    ],
+    # QLoRA: the same with the adapted weights in NF4 (a rank's rows of 4-bit codes and 8-bit scale
+    # codes, uint8), FSDP gathering those bytes and dequantizing them to bf16 after the gather
+    "lora_nf4_tp2": [
+        *_COMMON,
+        "parallel.tp=2",
+        "train.micro_batch_size=8",
+        "train.precision=bf16",
+        "lora.r=8",
+        "lora.base_dtype=nf4",
         "parallel.loss_impl=dense",
     ],
 }

@@ -27,7 +27,14 @@ def test_gpu_all_dry_run_runs_every_check(tmp_path):
     assert result.returncode == 0, result.stdout[-6000:]
     rows = {line.split()[0]: line.split()[1] for line in (out / "summary.txt").read_text().splitlines()[1:]}
     # no test is CUDA-only today (gpu_all.sh's CUDA_ONLY): the row says so instead of running nothing
-    expected = {"estimate": "ok", "sft": "ok", "lora": "ok", "cuda_tests": "none", "gpu_check": "ok"}
+    expected = {
+        "estimate": "ok",
+        "sft": "ok",
+        "lora": "ok",
+        "qlora": "ok",
+        "cuda_tests": "none",
+        "gpu_check": "ok",
+    }
     assert rows == expected, rows
 
     estimate = json.loads((out / "estimate.json").read_text())
@@ -38,6 +45,7 @@ def test_gpu_all_dry_run_runs_every_check(tmp_path):
 
     assert read_metrics(out / "sft")[-1]["step"] == 2  # the dry run's step count (20 on the GPU)
     assert read_metrics(out / "lora")[-1]["step"] == 2  # the LoRA row's (10 on the GPU: Llama-3-8B)
+    assert read_metrics(out / "qlora")[-1]["step"] == 2  # QLoRA's (10 on the GPU: 70B-shaped layers)
 
     check = json.loads((out / "gpu_check.json").read_text())
     assert check["failed"] == [], check["failed"]

@@ -23,6 +23,7 @@ import copy
 import json
 from pathlib import Path
 
+import bitsandbytes.functional as bnb  # scripts/venv.sh installs it (--no-deps, bitsandbytes==0.50.2)
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,8 +76,6 @@ def runs(model, tmp_path_factory):
 def bitsandbytes_pure_torch():
     """bitsandbytes' calls inside run its pure-torch kernels (bitsandbytes.backends.default) where its
     CPU library registers its own: `quantize_blockwise` (quantize_4bit has no CPU kernel)."""
-    import bitsandbytes  # noqa: F401 (registers the ops)
-
     op = torch.ops.bitsandbytes.quantize_blockwise.default
     default = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
     library = torch.library.Library("bitsandbytes", "IMPL")
@@ -91,8 +90,6 @@ def bitsandbytes_pure_torch():
 
 def bnb_nf4(weight: torch.Tensor, pure_torch: bool = True):
     """bitsandbytes' NF4 of the whole weight: (packed codes, QuantState, dequantized weight)."""
-    import bitsandbytes.functional as bnb
-
     with bitsandbytes_pure_torch() if pure_torch else contextlib.nullcontext():
         packed, state = bnb.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
     flat = copy.copy(state)
@@ -132,9 +129,7 @@ def test_cpu_library_differs_only_by_farther_scale_codes(model, reference):
     """bitsandbytes' CPU library gives the same 4-bit codes and picks, where its scale codes differ
     from the reference's, a code farther from the value (the reference's is the nearest); those are
     rare."""
-    from bitsandbytes.functional import create_dynamic_map
-
-    dynamic = create_dynamic_map()
+    dynamic = bnb.create_dynamic_map()
     files = load_file(str(model["folder"] / "model.safetensors"))
     differ = total = 0
     for name, (packed, state, _) in reference[torch.float32].items():

@@ -27,6 +27,10 @@ COVERED_ELSEWHERE = {
     "torchrun --nproc_per_node=4 -m dtrain.sft",
     # test_estimate.py plans this Llama-3-8B experiment through the same CLI (its JSON output)
     "python -m dtrain.estimate +experiment=llama3_tp4 estimate.world_size=4",
+    # test_qlora.py runs the QLoRA line (README, lora.md) on 4 processes, one step, and loads its
+    # export in PEFT
+    "torchrun --nproc_per_node=4 -m dtrain.sft model.name_or_path=/path/to/hf_folder data.path=my.jsonl "
+    "data.input_key=question parallel.tp=2 lora.r=16 lora.base_dtype=nf4 checkpoint.export_hf=true",
 }
 TINY_RUN = ["train.max_steps=2"]
 # A hub model cannot be downloaded here: experiments run on the fixture folder (4 KV heads, so tp=4

@@ -257,3 +257,16 @@ def bnb_codes(codes: torch.Tensor) -> torch.Tensor:
     """The whole weight's (R, C) 4-bit codes packed as bitsandbytes packs them: flat, two a byte,
     as a (ceil(numel / 2), 1) uint8 column."""
     return pack(codes.reshape(1, -1)).reshape(-1, 1)
+
+
+@torch.no_grad()
+def round_trip(weight: torch.Tensor) -> torch.Tensor:
+    """A whole weight quantized and dequantized in one process, in its dtype: the values an NF4 base
+    computes with (the benchmark's baseline trains on them)."""
+    layout = Layout(tuple(weight.shape), (0, 0), weight.shape[1])
+    absmax = local_absmax(weight, layout, 0)
+    codes, state2, offset = double_quantize(absmax, layout)
+    packed = quantize_rows(weight, absmax, layout, 0)
+    scales = scale_codes(codes.to(weight.device), layout, 0, weight.shape[0])
+    state2, offset = state2.to(weight.device), offset.to(weight.device)
+    return dequantize_rows(packed, scales, state2, offset, layout, 0, torch.empty_like(weight))

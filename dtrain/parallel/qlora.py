@@ -322,20 +322,21 @@ def quantize_(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     values reduced with max over all ranks, then this shard's NF4 codes and every rank alike the
     double quantization of all the absmax values."""
     layout = local(pieces[0][0]).piece
+    device = local(pieces[0][0]).device  # the NF4 storage's (an initial draw may come from the host)
     absmax = None
     for param, dense in pieces:
         tensor = local(param)
         origin, _ = _origin(param)
         tensor.first = tensor.piece.part_row + origin[0] - tensor.piece.origin[0]  # in the piece
-        partial = nf4.local_absmax(local(dense), tensor.piece, tensor.first)
+        partial = nf4.local_absmax(local(dense).to(device), tensor.piece, tensor.first)
         absmax = partial if absmax is None else torch.maximum(absmax, partial)
     assert absmax is not None
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(absmax, op=dist.ReduceOp.MAX)
     codes, state2, offset = nf4.double_quantize(absmax, layout)
-    codes = codes.to(absmax.device)
+    codes = codes.to(device)
     for param, dense in pieces:
-        tensor, values = local(param), local(dense)
+        tensor, values = local(param), local(dense).to(device)
         tensor.codes.copy_(nf4.quantize_rows(values, absmax, tensor.piece, tensor.first))
         tensor.scales.copy_(nf4.scale_codes(codes, tensor.piece, tensor.first, values.shape[0]))
         tensor.state2.copy_(state2)

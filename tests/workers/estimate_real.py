@@ -45,13 +45,20 @@ from tests.estimate_scenarios import SCENARIOS
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (a DTensor counts its local shard)."""
+    """Bytes of the distinct storages behind `tensors` (a DTensor counts its local shard, an NF4
+    base weight the plain tensors it holds: __tensor_flatten__)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storage = local.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        for plain in [local] if type(local) is torch.Tensor else flat_tensors(local):
+            storage = plain.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def flat_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a tensor subclass wraps."""
+    return [getattr(tensor, attr) for attr in tensor.__tensor_flatten__()[0]]
 
 
 class StorageCounter(TorchDispatchMode):
