@@ -265,6 +265,15 @@ def run_worker(nproc: int, name: str, *args: str, timeout: float = 600, env: dic
     return run(worker_command(nproc, name, *args), timeout=timeout, env=env)
 
 
+def worker_results(name: str, out: Path, *args: str, worlds: tuple[int, ...] = (1, 4)) -> dict[str, object]:
+    """Launch tests/workers/NAME once per world size (run_worker; its arguments `args`), each writing
+    `<out>/<scenario>.pt` from rank 0; those files loaded, by scenario."""
+    for nproc in worlds:
+        result = run_worker(nproc, name, "--out", str(out), *args, timeout=900)
+        assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
+    return {path.stem: torch.load(path) for path in out.glob("*.pt")}
+
+
 def one_interpreter_command(
     folder: Path,
     commands: dict[str, list[str]],
@@ -448,29 +457,52 @@ def reference_losses(
 ) -> list[float]:
     """Token-mean losses of `steps` steps of a plain transformers + AdamW loop over `rows` in order,
     `batch` rows a step: what dtrain must reproduce on any mesh (fp32; clip 1.0; cosine, no warmup)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    examples = chat_rows(AutoTokenizer.from_pretrained(folder), rows)
+    chunks = [examples[step * batch : (step + 1) * batch] for step in range(steps)]
+    return adamw_run(model, chunks, lr, weight_decay=0.0, warmup=0)[0]
+
+
+def adamw_run(
+    model: torch.nn.Module,
+    steps: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    lr: float,
+    weight_decay: float = 0.1,
+    warmup: int = 2,
+) -> tuple[list[float], list[float]]:
+    """The tests' reference loop (no dtrain code): AdamW on the parameters that require grad (betas
+    0.9/0.95, eps 1e-8), clip 1.0, `warmup` steps + cosine over len(steps) (transformers'
+    get_scheduler), the loss a token mean over each step's (input_ids, labels) sequences, each run
+    alone. Returns the losses and the grad norms (before clipping)."""
     from transformers import get_scheduler
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    examples = chat_rows(tokenizer, rows)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=steps)
-    losses = []
-    for step in range(steps):
-        chunk = examples[step * batch : (step + 1) * batch]
-        tokens = sum(int((labels != -100).sum()) for _, labels in chunk)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=warmup, num_training_steps=len(steps))
+    losses, norms = [], []
+    for batch in steps:
+        tokens = sum(int((labels != -100).sum()) for _, labels in batch)
         total = 0.0
-        for ids, labels in chunk:
+        for ids, labels in batch:
             logits = model(input_ids=ids[None]).logits[0]
             loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
             (loss / tokens).backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(torch.nn.utils.clip_grad_norm_(trainable, 1.0).item())
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
         losses.append(total / tokens)
-    return losses
+    return losses, norms
+
+
+def peft_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A PEFT model's trainable adapters under the names PEFT saves them with."""
+    return {
+        "base_model.model." + name.removeprefix("base_model.model.").replace(".default", ""): p.detach()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 # FSDP's dp shard of a parameter that tp also shards on dim 0 is a _StridedShard (not a Shard subclass)

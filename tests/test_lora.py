@@ -14,22 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dtrain.metrics import flops_per_token
 from tests import reference
 from tests.helpers import (
+    adamw_run,
     chat_rows,
+    peft_adapters,
     read_metrics,
     run,
     run_in_one_interpreter,
-    run_worker,
     save_user_model,
     sft,
     user_rows,
+    worker_results,
 )
 from tests.workers.lora_runs import ALPHA, GLOBAL_BATCH, LR, MAX_LEN, SCENARIOS, STEPS, R, logit_ids
 
@@ -88,11 +89,7 @@ def models(tmp_path_factory):
 def lora_runs(models, tmp_path_factory):
     """Every scenario: one launch per world size, each sharing its process group across scenarios."""
     out = tmp_path_factory.mktemp("lora_runs")
-    for nproc in (1, 4):
-        args = ["--out", str(out), "--models", str(models["root"]), "--data", str(models["data"])]
-        result = run_worker(nproc, "lora_runs", *args, timeout=900)
-        assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
-    return {path.stem: torch.load(path) for path in out.glob("*.pt")}
+    return worker_results("lora_runs", out, "--models", str(models["root"]), "--data", str(models["data"]))
 
 
 def peft_model(folder: Path, start: str, init: dict | None, dropout: float = 0.0):
@@ -138,32 +135,12 @@ def step_documents(folder: Path, data: Path, packed: bool) -> list[list[tuple[to
 
 
 def reference_run(folder: Path, data: Path, start: str, init: dict | None, packed: bool = False):
-    """PEFT + plain AdamW (decay 0.1, betas 0.9/0.95, clip 1.0, warmup 2 + cosine), the loss a token
-    mean over the step. Returns losses, grad norms and the trained adapters under PEFT's saved names."""
+    """PEFT + plain AdamW (helpers.adamw_run: decay 0.1, betas 0.9/0.95, clip 1.0, warmup 2 + cosine),
+    the loss a token mean over the step. Returns losses, grad norms and the trained adapters under
+    PEFT's saved names."""
     model = peft_model(folder, start, init)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=STEPS)
-    losses, norms = [], []
-    for batch in step_documents(folder, data, packed):
-        tokens = sum(int((labels != -100).sum()) for _, labels in batch)
-        total = 0.0
-        for ids, labels in batch:
-            logits = model(input_ids=ids[None]).logits[0]
-            loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-            (loss / tokens).backward()
-            total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(trainable, 1.0).item())
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        losses.append(total / tokens)
-    adapters = {
-        "base_model.model." + name.removeprefix("base_model.model.").replace(".default", ""): p.detach()
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
-    return losses, norms, adapters
+    losses, norms = adamw_run(model, step_documents(folder, data, packed), LR)
+    return losses, norms, peft_adapters(model)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -26,18 +26,19 @@ from pathlib import Path
 import bitsandbytes.functional as bnb  # scripts/venv.sh installs it (--no-deps, bitsandbytes==0.50.2)
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import PeftModel
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers import (
+    adamw_run,
     chat_rows,
+    peft_adapters,
     read_metrics,
     run_in_one_interpreter,
-    run_worker,
     save_user_model,
     user_rows,
+    worker_results,
 )
 from tests.test_lora import save_peft_adapter
 from tests.workers.lora_runs import GLOBAL_BATCH, LR, MAX_LEN, logit_ids
@@ -65,11 +66,8 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(model, tmp_path_factory):
     out = tmp_path_factory.mktemp("qlora_runs")
-    for nproc in (1, 4):
-        args = ["--out", str(out), "--models", str(model["root"]), "--data", str(model["data"])]
-        result = run_worker(nproc, "qlora_runs", *args, timeout=900)
-        assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
-    return {path.stem: torch.load(path) for path in out.glob("*.pt")} | {"out": out}
+    args = ["--models", str(model["root"]), "--data", str(model["data"])]
+    return worker_results("qlora_runs", out, *args) | {"out": out}
 
 
 @contextlib.contextmanager
@@ -198,37 +196,16 @@ def test_fsdp_all_gathers_nf4_bytes_not_dense_weights(model, runs):
 
 @pytest.fixture(scope="module")
 def peft_reference(model, reference):
-    """PEFT + plain AdamW (decay 0.1, betas 0.9/0.95, clip 1.0, warmup 2 + cosine), the loss a token
-    mean over the step, on the dequantized base: (losses, grad norms, trained adapters)."""
+    """PEFT + plain AdamW (helpers.adamw_run, as test_lora's) on the dequantized base, over the chat
+    template's rows in file order, GLOBAL_BATCH a step: (losses, grad norms, trained adapters)."""
     peft = peft_on_dequantized(model["folder"], reference[torch.float32], trainable=True)
-    trainable = [p for p in peft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=STEPS)
     tokenizer = AutoTokenizer.from_pretrained(model["folder"])
     rows = [
         (ids[:MAX_LEN], labels[:MAX_LEN])
         for ids, labels in chat_rows(tokenizer, user_rows(STEPS * GLOBAL_BATCH))
     ]
-    losses, norms = [], []
-    for step in range(STEPS):
-        batch = rows[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
-        tokens = sum(int((labels != -100).sum()) for _, labels in batch)
-        total = 0.0
-        for ids, labels in batch:
-            loss = F.cross_entropy(
-                peft(input_ids=ids[None]).logits[0], labels, ignore_index=-100, reduction="sum"
-            )
-            (loss / tokens).backward()
-            total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(trainable, 1.0).item())
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        losses.append(total / tokens)
-    adapters = {
-        name.replace(".default", ""): p.detach() for name, p in peft.named_parameters() if p.requires_grad
-    }
-    return losses, norms, adapters
+    losses, norms = adamw_run(peft, [rows[step * GLOBAL_BATCH :][:GLOBAL_BATCH] for step in range(STEPS)], LR)
+    return losses, norms, peft_adapters(peft)
 
 
 def peft_on_dequantized(folder: Path, reference: dict, trainable: bool = False, adapter: Path | None = None):
