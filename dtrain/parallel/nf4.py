@@ -137,7 +137,7 @@ def local_absmax(x: torch.Tensor, layout: Layout, first: int) -> torch.Tensor:
         rows = x[start:stop].float().abs()
         blocks, touched = layout.slot_blocks(first + start, stop - start, x.device)
         if layout.aligned:
-            maxima = rows.view(stop - start, layout.slots, BLOCK).amax(-1)
+            maxima = rows.reshape(stop - start, layout.slots, BLOCK).amax(-1)
         else:
             slots = layout.element_slots(first + start, stop - start, x.device)
             maxima = torch.zeros(blocks.shape, dtype=torch.float32, device=x.device)
@@ -179,7 +179,7 @@ def quantize_rows(x: torch.Tensor, absmax: torch.Tensor, layout: Layout, first: 
         blocks = blocks.clamp(max=layout.blocks - 1)
         reciprocal = 1.0 / absmax[blocks].clamp(min=1e-38)  # bitsandbytes: x * (1 / absmax) ...
         if layout.aligned:
-            scaled = (rows.view(stop - start, layout.slots, BLOCK) * reciprocal[..., None]).view_as(rows)
+            scaled = (rows.reshape(stop - start, layout.slots, BLOCK) * reciprocal[..., None]).view_as(rows)
         else:
             slots = layout.element_slots(first + start, stop - start, x.device)
             scaled = rows * reciprocal.gather(1, slots)

@@ -40,7 +40,7 @@ class NF4Tensor(torch.Tensor):
     tensor of shape (rows, cols). Supports what FSDP2 does to a frozen parameter's local tensor
     (chunk, pad, copy, view, allocate) and its all-gather extension; any other op is refused."""
 
-    packed: torch.Tensor  # (rows, ceil(cols / 2) + slots) uint8: a row's packed codes, then its scale codes
+    packed: torch.Tensor  # (rows, ceil(cols / 2) + slots) uint8: a row's codes, then its scale codes
     state2: torch.Tensor  # (groups,) fp32: the whole weight's second-level absmax
     offset: torch.Tensor  # (1,) fp32: the mean of the whole weight's absmax values
     piece: nf4.Layout  # which piece of which weight
@@ -70,20 +70,15 @@ class NF4Tensor(torch.Tensor):
         offset = torch.empty(1, dtype=torch.float32, device=device)
         return cls(packed, state2, offset, layout, first, (rows, layout.cols), dtype)
 
-    def _with(self, rows: slice | None = None, make=None, shape=None) -> NF4Tensor:  # noqa: ANN001
-        """A tensor over the same format: `rows` of this one (views), or inner tensors from `make`."""
-        if make is not None:
-            packed, state2, offset = (make(getattr(self, name)) for name in INNER)
-            first = self.first
-        else:
-            rows = rows or slice(None)
-            packed, state2, offset = self.packed[rows], self.state2, self.offset
-            first = self.first + (rows.start or 0)
+    def _with(self, rows: slice = slice(None), shape: tuple[int, ...] | None = None) -> NF4Tensor:
+        """`rows` of this tensor (views of its bytes), seen as `shape` (default: rows × cols)."""
+        packed = self.packed[rows]
         shape = shape or (packed.shape[0], self.piece.cols)
-        return NF4Tensor(packed, state2, offset, self.piece, first, shape, self.dtype)
+        first = self.first + (rows.start or 0)
+        return NF4Tensor(packed, self.state2, self.offset, self.piece, first, shape, self.dtype)
 
     def __repr__(self) -> str:  # noqa: D105
-        return f"NF4Tensor({tuple(self.shape)}, {self.dtype}, {nf4.describe(self.piece)})"
+        return f"NF4Tensor({tuple(self.shape)}, {self.dtype}, rows from {self.first} of {self.piece})"
 
     def __tensor_flatten__(self):  # noqa: ANN204
         return list(INNER), (self.piece, self.first, tuple(self.shape), self.dtype)
@@ -192,9 +187,9 @@ def _copy(self: NF4Tensor, source: torch.Tensor, non_blocking: bool = False) -> 
     return self
 
 
-def _to_copy(self: NF4Tensor, dtype: torch.dtype | None = None, device=None, **kwargs) -> torch.Tensor:  # noqa: ANN001, ANN003
+def _to_copy(self: NF4Tensor, **kwargs) -> torch.Tensor:  # noqa: ANN003
     """`.float()`, `.to(dtype)`: the rows dequantized (what a merge into the base starts from)."""
-    return self.dequantize(dtype).to(device or self.device)
+    return self.dequantize(kwargs.get("dtype")).to(kwargs.get("device") or self.device)
 
 
 _OPS = {
