@@ -23,7 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 # Each field's variable. Every value is a step number except DTRAIN_TEST_FAULT_RANK (a rank),
-# DTRAIN_TEST_STEP_SLEEP_S (seconds) and DTRAIN_TEST_MINUTES_PER_STEP (minutes).
+# DTRAIN_TEST_STEP_SLEEP_S (seconds), DTRAIN_TEST_MINUTES_PER_STEP (minutes) and DTRAIN_TEST_HOLD_FILE
+# (a path).
 VARIABLES = {
     "nan_at_step": "DTRAIN_TEST_NAN_AT_STEP",
     "kill_at_step": "DTRAIN_TEST_KILL_AT_STEP",
@@ -33,7 +34,9 @@ VARIABLES = {
     "crash_in_save": "DTRAIN_TEST_CRASH_IN_SAVE",
     "fail_save": "DTRAIN_TEST_FAIL_SAVE",
     "minutes_per_step": "DTRAIN_TEST_MINUTES_PER_STEP",
+    "hold_file": "DTRAIN_TEST_HOLD_FILE",
 }
+PARSE = {"step_sleep_s": float, "minutes_per_step": float, "hold_file": str}  # the others: int
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class Faults:
     # The clock checkpoint.every_minutes reads (Checkpointer.clock) shows this many minutes more at
     # each step's start, instead of the wall clock's time: a test of the periodic save needs no wait.
     minutes_per_step: float | None = None
+    # Before every step: wait while this file exists (a test holds a run mid-way for as long as it needs).
+    hold_file: str | None = None
     _now_s: list[float] = field(default_factory=lambda: [0.0], repr=False, compare=False)
 
     @classmethod
@@ -58,7 +63,7 @@ class Faults:
         for name, variable in VARIABLES.items():
             text = environ.get(variable)
             if text:
-                values[name] = (float if name in ("step_sleep_s", "minutes_per_step") else int)(text)
+                values[name] = PARSE.get(name, int)(text)
         if environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             values.pop("kill_at_step", None)
             values.pop("fail_fetch_at_step", None)
@@ -73,6 +78,8 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.step_sleep_s:
             time.sleep(self.step_sleep_s)
+        while self.hold_file and os.path.exists(self.hold_file):
+            time.sleep(0.05)
         if on_this_rank and step == self.fail_fetch_at_step:
             raise ValueError("injected bad batch")
 

@@ -7,6 +7,7 @@ Each entry point registers its own schema: dtrain.sft the training `Config`, dtr
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -189,7 +190,7 @@ def check_run_folder(folder: Path | None) -> None:
             os.fsync(file.fileno())
     except OSError as error:
         free = ""
-        if existing.is_dir():
+        if error.errno == errno.ENOSPC:
             free = f"; {shutil.disk_usage(existing).free / 2**20:,.1f} MiB free there"
         raise ConfigError(
             f"{folder}: the run folder cannot be written ({error.strerror or error}{free})"

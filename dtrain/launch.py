@@ -144,7 +144,7 @@ def launch(argv: list[str]) -> int:
         code = 1
     finally:
         saved = report.save(log_folder(args.log_dir, args.rdzv_id))
-    code = exit_code(code) if code else 0
+    code = (exit_code(code) or code) if code else 0  # a worker's failure: dtrain's code, not rank 0's 0
     if code == 1:  # no line of dtrain's explains it: say where torchrun's report is
         why = "torchrun failed before starting the workers"
         if failure is not None:

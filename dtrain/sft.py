@@ -58,6 +58,7 @@ from dtrain.reliability import (
     RankFailure,
     die_with_launcher,
     scheduler_signals_held,
+    write_exit_status,
 )
 from dtrain.run_lock import LockHeld, check_free, holding
 from dtrain.sinks import WANDB_ID
@@ -210,6 +211,8 @@ def run_command() -> None:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     try:
         hydra_main()
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # done: a launcher that passed on a signal reads it
+            write_exit_status(0)
     except KeyboardInterrupt:  # a Ctrl-C before training started (the loop handles its own): no traceback
         fail("interrupted", EXIT_INTERRUPTED, prefix="")
     finally:
