@@ -220,6 +220,8 @@ def holding(run_dir: Path) -> Iterator[None]:
             lock = RunLock.take(run_dir)
         except LockHeld as held:
             refusal = str(held)
+        except OSError as error:  # an answer, still: the other ranks wait for one
+            refusal = f"{run_dir}: cannot take the run folder's lock ({error})"
     outcome = [refusal]
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0]:

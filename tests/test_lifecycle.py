@@ -454,6 +454,58 @@ def test_the_run_folder_is_named_by_what_is_trained():
     )
 
 
+def test_a_run_lock_is_stale_when_its_holder_is_gone(tmp_path, monkeypatch):
+    """The lock's rules, on lock files written as another holder would have (a second host, a crash,
+    a reused pid, a restart of the same launch cannot all be staged with real processes here): the
+    same machine judges by the pid and its start time, another machine by the heartbeat's age, the
+    same launch takes its own lock over; a live holder refuses, naming itself."""
+    from dataclasses import asdict, replace
+
+    from dtrain.run_lock import LOCK, STALE_S, Holder, LockHeld, RunLock, check_free
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    me = Holder.this_process()
+    parent = os.getppid()  # alive, and not this process
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process has it
+    lock = tmp_path / LOCK
+
+    def holder(**changes) -> None:
+        lock.write_text(json.dumps(asdict(replace(me, **changes))))
+
+    def held() -> bool:
+        try:
+            check_free(tmp_path)
+        except LockHeld as refusal:
+            assert f"{tmp_path} is in use by another run: pid" in str(refusal)
+            return True
+        return False
+
+    holder(pid=parent, started=_start_of(parent))
+    assert held()  # a live process on this machine
+    holder(pid=dead)
+    assert not held()  # its process is gone
+    holder(pid=parent, started="1")
+    assert not held()  # the pid is another process now
+    holder(pid=parent, started=_start_of(parent), launch="job-7")
+    monkeypatch.setenv("SLURM_JOB_ID", "job-7")
+    assert not held()  # the same launch, restarted (a requeued job)
+    monkeypatch.delenv("SLURM_JOB_ID")
+    holder(host="another-node", pid=dead)
+    assert held()  # another machine: its pid means nothing here, its heartbeat is fresh
+    os.utime(lock, (time.time() - STALE_S - 1,) * 2)
+    assert not held()  # no heartbeat for longer than STALE_S
+    taken = RunLock.take(tmp_path)  # takes the stale lock over
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    taken.release()
+    assert not lock.exists()
+
+
+def _start_of(pid: int) -> str:
+    """/proc/PID/stat's start time (field 22), read here independently of dtrain.run_lock."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+
+
 def test_a_stalled_run_is_warned_once(caplog):
     """The pattern of optim.lr=1e6 (loss pinned at ln(vocab), grad_norm 0) warns once; a
     from-scratch model's first steps near ln(vocab), whose loss moves, do not."""
