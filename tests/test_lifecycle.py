@@ -384,8 +384,10 @@ def test_exit_codes_through_the_launch_script(tmp_path):
     assert code == 3, output[-3000:]
     assert "dtrain: error: step 2: 1 non-finite steps in a row (train.max_skips=0)" in output
 
+    # one process too: the ranks' agreement on a failed save is DCP's (every rank raises its error)
     folder = tmp_path / "disk"
-    code, output = launch(folder, *short, "checkpoint.every=2", env={"DTRAIN_TEST_FAIL_SAVE": "4"})
+    full_disk = {"DTRAIN_TEST_FAIL_SAVE": "4", "NPROC": "1"}
+    code, output = launch(folder, *short, "checkpoint.every=2", env=full_disk)
     assert code == 2, output[-3000:]
     (line,) = [line for line in output.splitlines() if line.startswith("dtrain: error:")]
     checkpoints = folder / "outputs" / NAME / "checkpoints"
