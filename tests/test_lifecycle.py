@@ -200,13 +200,14 @@ def test_sigterm_ctrl_c_and_a_signal_in_the_last_step_then_the_same_command_resu
     hold = tmp_path / "hold"  # while it exists, the run waits before its next step (DTRAIN_TEST_HOLD_FILE)
 
     def refuse_a_second_run_then_sigterm(process: subprocess.Popen) -> None:
-        """The identical command while the first runs: refused, one line, exit 2. Then SIGTERM
-        (SLURM's, Kubernetes') to the first launcher's pid alone."""
+        """The identical command while the first runs: refused, one line, exit 2 (on one process:
+        each rank refuses on its own, before any process group). Then SIGTERM (SLURM's,
+        Kubernetes') to the first launcher's pid alone."""
         hold.touch()
         second = subprocess.run(
             [str(ROOT / "launch" / "local.sh"), *COMMAND],
             cwd=tmp_path,
-            env=launch_env(tmp_path),
+            env=launch_env(tmp_path, {"NPROC": "1"}),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
