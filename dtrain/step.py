@@ -1,7 +1,8 @@
 """One training step, in the functions the trainer, the planner (dtrain.estimate) and the benchmark
 all run, in the order the loop calls them: this rank's part of each micro-batch on its device, the
-step's token counts, forward, loss and backward of a micro-batch (`micro_step`), then clip and
-AdamW (`optimizer_step`); and the eval loss over the eval set."""
+step's token counts, forward, loss and backward of a micro-batch (`micro_step`, SFT's token loss:
+dtrain.objective.TokenLoss runs it), then clip and AdamW (`optimizer_step`); and the eval loss over
+the eval set."""
 
 from __future__ import annotations
 
@@ -66,22 +67,6 @@ def micro_step(
         aux = router.aux_term() if router is not None else None
         (total if aux is None else total + aux).backward()
     return loss.detach()
-
-
-def count_routes(
-    model: torch.nn.Module,
-    micro_batches: list[dict[str, Any]],
-    router: RouterStats,
-    loss_parallel: bool,
-    loss_impl: str = "dense",
-    loss_chunk: int = 0,
-) -> None:
-    """Start the step's routing record; with an aux loss, count the whole step's routes first
-    (RouterStats.count: its gradient needs the global counts)."""
-    router.begin_step(micro_batches[0]["input_ids"].device)
-    if router.coef:
-        with loss_context(loss_parallel):
-            router.count(lambda mb: summed_loss(model, mb, loss_impl, loss_chunk), micro_batches)
 
 
 def summed_loss(

@@ -24,12 +24,12 @@ from dtrain.export import export_hf, export_merged
 from dtrain.faults import Faults
 from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_flops
 from dtrain.model import build_model, has_weights, tokenizer_source
+from dtrain.objective import build_objective
 from dtrain.optim import build_optimizer, build_scheduler, trainable_parameters
-from dtrain.parallel.experts import RouterStats
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
 from dtrain.reliability import Preempted, StallWatch, StepGuard
 from dtrain.sinks import Sink, open_sinks
-from dtrain.step import count_routes, evaluate, global_counts, local_micro_batch, micro_step, optimizer_step
+from dtrain.step import local_micro_batch, optimizer_step
 
 log = logging.getLogger("dtrain")
 
@@ -145,9 +145,8 @@ def train(
     run = start_run(config, shape, model_config, device, run_dir, resolved, resume_from)
     model, parallel, meter, guard = run.model, run.parallel, run.meter, run.guard
     settings = config.train
-    loss = config.parallel.loss_parallel, config.parallel.loss_impl, config.parallel.loss_chunk
     params = trainable_parameters(model)
-    router = RouterStats.attach(model)  # mixture of experts: routing figures and the aux loss
+    objective = build_objective(config, model, parallel)  # SFT's token loss; the router's aux term
     tokens_seen = torch.tensor(float(run.progress.tokens_seen), device=device)
     saved = run.progress.step  # the step of the newest checkpoint
     stall = StallWatch(model_config.vocab_size)
@@ -161,12 +160,9 @@ def train(
             with meter.waiting_for_data():
                 host_batches = guard.agreed(step, run.data.train.next_step)
                 micro_batches = [local_micro_batch(mb, parallel) for mb in host_batches]
-            tokens, filled = global_counts(micro_batches, parallel)  # the loss is a token mean over them
-            loss_sum = torch.zeros((), device=device)
-            if router is not None:
-                count_routes(model, micro_batches, router, *loss)
+            objective.begin_step(micro_batches)  # the global counts the loss is a mean over
             for mb in micro_batches:
-                loss_sum += micro_step(model, mb, tokens, *loss, router=router)
+                objective.micro_step(mb)
             if run.faults:
                 run.faults.poison(step + 1, model)
             lr = run.scheduler.get_last_lr()[0]
@@ -175,7 +171,7 @@ def train(
             grad_norm, skipped = optimizer_step(run.optimizer, params, max_norm, should_skip)
             if not skipped:  # never an optimizer step on non-finite gradients
                 run.scheduler.step()
-                tokens_seen += tokens
+                tokens_seen += objective.tokens
 
             done = step + 1
             if run.checkpointer.due(done, settings.max_steps) or guard.save_now:
@@ -183,17 +179,12 @@ def train(
                 saved = done
             if settings.eval_every and done % settings.eval_every == 0:
                 with meter.paused():  # eval time is not training time
-                    eval_loss = evaluate(model, run.data.eval, parallel, *loss)
-                run.emit({"step": done, **eval_loss})
+                    run.emit({"step": done, **objective.evaluate(run.data.eval)})
             if meter.due(done):
-                dist.all_reduce(loss_sum, group=parallel.token_group)
-                routing = router.figures() if router is not None else {}
-                mean = (loss_sum / tokens).item()
-                if router is not None:  # the loss HF trains with: its aux loss, scaled, added
-                    mean += router.coef * routing.get("aux_loss", 0.0)
-                figures = mean, grad_norm.item(), lr, int(tokens.item()), filled.item()
-                run.emit({**meter.record(done, *figures, guard.skipped), **routing})
-                stall.check(done, figures[0], figures[1])
+                figures = objective.figures()  # reduced over the ranks
+                logged = figures.loss, grad_norm.item(), lr, figures.tokens, figures.filled
+                run.emit({**meter.record(done, *logged, guard.skipped), **figures.extra})
+                stall.check(done, figures.loss, logged[1])
 
         run.checkpointer.wait()
         if config.checkpoint.export_hf:

@@ -371,9 +371,14 @@ class RouterStats:
         routers = [modules[f"{name.rsplit('.', 1)[0]}.{router}"] for name, _ in experts_modules(model)]
         return cls(model, routers) if routers else None
 
-    def begin_step(self, device: torch.device) -> None:
+    def begin_step(self, micro_batches: list, forward: Any) -> None:
+        """Start the step's record; with an aux loss, count the whole step's routes first (`count`:
+        its gradient needs the global counts). `forward(micro_batch)` runs the objective's forward."""
+        device = micro_batches[0]["input_ids"].device
         self.counts = torch.zeros(self.layers, self.num_experts, device=device)
         self.aux, self.counted, self.probs = torch.zeros((), device=device), False, []
+        if self.coef:
+            self.count(forward, micro_batches)
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
         logits, _, indices = output

@@ -1,0 +1,124 @@
+"""What the loop optimizes: an `Objective` per step, called by trainer.train in three places.
+
+- `begin_step(micro_batches)`: this rank's micro-batches of the step, before its first gradient: the
+  step's global counts (what the loss is a mean over: supervised tokens, pairs), and the router's
+  start of the step (a mixture-of-experts model; with its aux loss, the step's routes counted first).
+- `micro_step(micro_batch)`: forward, loss and backward of one micro-batch (the loss divided by the
+  global count, so the gradients summed over micro-batches and ranks are the global batch's mean);
+  its summed loss and figures accumulate, detached.
+- `figures()` (a collective): the step's logged figures, reduced over the ranks: `loss`, `tokens`,
+  the non-pad slots, and the objective's own (the router's `aux_loss` and `expert_load`; DPO's
+  rewards).
+
+SFT's token loss is `TokenLoss`; the router's aux term lives here, behind every objective: its share
+of each micro-batch is added to what is differentiated (its micro-step function takes the router) and
+its figures, with coef · aux_loss added to the logged loss, come with every objective's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from dtrain.config import Config, ParallelConfig
+from dtrain.distributed import Parallel
+from dtrain.loss import loss_context
+from dtrain.parallel.experts import RouterStats
+from dtrain.step import evaluate, global_counts, micro_step, summed_loss
+
+
+class LossSettings(NamedTuple):
+    """How the loss is computed on the mesh (parallel.loss_parallel, loss_impl, loss_chunk), in the
+    order dtrain.step's functions take them."""
+
+    parallel: bool = True
+    impl: str = "dense"
+    chunk: int = 0
+
+    @classmethod
+    def of(cls, settings: ParallelConfig) -> LossSettings:
+        return cls(settings.loss_parallel, settings.loss_impl, settings.loss_chunk)
+
+
+@dataclass
+class StepFigures:
+    """A step's logged figures, the same on every rank: its loss (what was differentiated, the aux
+    term included), supervised tokens, non-pad slots, and the objective's own figures."""
+
+    loss: float
+    tokens: int
+    filled: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Objective:
+    """The parts every objective shares: the model, the mesh, the loss settings and the router."""
+
+    def __init__(self, model: torch.nn.Module, parallel: Parallel, loss: LossSettings) -> None:
+        self.model, self.parallel, self.loss = model, parallel, loss
+        self.router = RouterStats.attach(model)  # mixture of experts: routing figures and the aux loss
+        self.tokens = torch.zeros((), device=parallel.device)  # the step's supervised tokens
+
+    def begin_step(self, micro_batches: list[dict[str, Any]]) -> None:
+        """The step's global counts (`count`), then the router's start of the step, whose counting
+        forward (aux loss only) runs the objective's own forward."""
+        self.count(micro_batches)
+        if self.router is not None:
+            with loss_context(self.loss.parallel):
+                self.router.begin_step(micro_batches, self.forward)
+
+    def figures(self) -> StepFigures:
+        """The step's figures (a collective: every rank calls it)."""
+        figures = self.reduce()
+        if self.router is not None:
+            routing = self.router.figures()
+            figures.loss += self.router.coef * routing.get("aux_loss", 0.0)  # the loss HF trains with
+            figures.extra |= routing
+        return figures
+
+    def count(self, micro_batches: list[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+    def forward(self, micro_batch: dict[str, Any]) -> Any:
+        """The forward whose routes the router records (inside loss_context)."""
+        raise NotImplementedError
+
+    def micro_step(self, micro_batch: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def reduce(self) -> StepFigures:
+        raise NotImplementedError
+
+    def evaluate(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class TokenLoss(Objective):
+    """SFT: the cross-entropy summed over the step's supervised tokens, divided by their count over
+    every micro-batch of every dp and cp rank (a token mean of the global batch on any mesh)."""
+
+    def count(self, micro_batches: list[dict[str, Any]]) -> None:
+        self.tokens, self.filled = global_counts(micro_batches, self.parallel)
+        self.loss_sum = torch.zeros((), device=self.parallel.device)
+
+    def forward(self, micro_batch: dict[str, Any]) -> torch.Tensor:
+        return summed_loss(self.model, micro_batch, self.loss.impl, self.loss.chunk)
+
+    def micro_step(self, micro_batch: dict[str, Any]) -> None:
+        self.loss_sum += micro_step(self.model, micro_batch, self.tokens, *self.loss, router=self.router)
+
+    def reduce(self) -> StepFigures:
+        dist.all_reduce(self.loss_sum, group=self.parallel.token_group)
+        mean = (self.loss_sum / self.tokens).item()
+        return StepFigures(mean, int(self.tokens.item()), self.filled.item())
+
+    def evaluate(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
+        return evaluate(self.model, micro_batches, self.parallel, *self.loss)
+
+
+def build_objective(config: Config, model: torch.nn.Module, parallel: Parallel) -> Objective:
+    """The objective a run trains with."""
+    return TokenLoss(model, parallel, LossSettings.of(config.parallel))
