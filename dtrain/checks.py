@@ -172,11 +172,6 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     check_lora_off(config.lora)
     if lora.enabled(config.lora):
         check_lora(config.lora, model_config, train.precision)
-    elif config.lora.base_dtype == "nf4":
-        raise ConfigError(
-            "lora.base_dtype=nf4 (QLoRA) stores the frozen base under LoRA adapters: "
-            "set lora.r (e.g. lora.r=16) or lora.adapter"
-        )
     if parallel.loss_impl in ("chunked", "fused") and parallel.loss_chunk < 1:
         raise ConfigError(
             f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 1 "

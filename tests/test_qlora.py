@@ -295,6 +295,6 @@ def test_nf4_without_lora_fails_before_any_process_group_with_one_line(model, tm
     assert "Traceback" not in output and "process group" not in output.lower()
     errors = [line for line in output.splitlines() if line.startswith("dtrain: error:")]
     assert errors == [
-        "dtrain: error: lora.base_dtype=nf4 (QLoRA) stores the frozen base under LoRA adapters: "
-        "set lora.r (e.g. lora.r=16) or lora.adapter"
+        "dtrain: error: lora.base_dtype=nf4 is set but lora.r=0 (LoRA off: every parameter trains); "
+        "set lora.r to train adapters"
     ]
