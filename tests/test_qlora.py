@@ -123,6 +123,49 @@ def test_nf4_codes_scales_and_dequantized_base_equal_bitsandbytes(runs, referenc
         assert ours["dequantized"].dtype == dtype and torch.equal(ours["dequantized"], dequantized), weight
 
 
+@pytest.mark.parametrize(
+    ("shape", "tp", "dp", "rowwise"),
+    [((7, 9), 1, 1, False), ((33, 50), 1, 3, False), ((30, 50), 2, 3, True), ((96, 600), 3, 2, True)],
+)
+def test_odd_shapes_quantized_in_pieces_equal_bitsandbytes(shape, tp, dp, rowwise):
+    """Shapes the model's weights do not have: a partial last 64-block (divided, not multiplied, by
+    bitsandbytes) and a partial last 256-group, odd widths, blocks across rows, tp ranks and dp
+    shards. dtrain's format functions on each piece a rank would hold (cut here by hand: tp's rows or
+    columns, then dp's rows), the absmax values reduced with max as the all-reduce does, assembled:
+    bitsandbytes' quantize_4bit and dequantize_4bit of the whole weight."""
+    from dtrain.parallel import nf4
+
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.05
+    packed, state, dequantized = bnb_nf4(weight)
+    rows, cols = shape
+    pieces = []  # (layout, first row in the piece, values)
+    for t in range(tp):
+        top, left = (0, t * cols // tp) if rowwise else (t * rows // tp, 0)
+        height, width = (rows, cols // tp) if rowwise else (rows // tp, cols)
+        layout = nf4.Layout(shape, (top, left), width)
+        for d in range(dp):
+            first = d * height // dp
+            pieces.append(
+                (layout, first, weight[top + first : top + first + height // dp, left : left + width])
+            )
+    absmax = torch.stack([nf4.local_absmax(x, layout, first) for layout, first, x in pieces]).amax(0)
+    codes, state2, offset = nf4.double_quantize(absmax, pieces[0][0])
+    assert torch.equal(codes, state.absmax) and torch.equal(state2, state.state2.absmax)
+    assert torch.equal(offset.reshape(()), state.offset)
+    whole_codes, whole = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape)
+    for layout, first, x in pieces:
+        piece_codes = nf4.quantize_rows(x, absmax, layout, first)
+        scales = nf4.scale_codes(codes, layout, first, x.shape[0])
+        top, left = layout.origin[0] + first, layout.origin[1]
+        region = (slice(top, top + x.shape[0]), slice(left, left + layout.cols))
+        whole_codes[region] = nf4.unpack(piece_codes, layout.cols)
+        whole[region] = nf4.dequantize_rows(
+            piece_codes, scales, state2, offset, layout, first, torch.empty(x.shape)
+        )
+    assert torch.equal(nf4.bnb_codes(whole_codes), packed)
+    assert torch.equal(whole, dequantized)
+
+
 def test_cpu_library_differs_only_by_farther_scale_codes(model, reference):
     """bitsandbytes' CPU library gives the same 4-bit codes and picks, where its scale codes differ
     from the reference's, a code farther from the value (the reference's is the nearest); those are
