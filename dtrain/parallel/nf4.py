@@ -32,7 +32,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 BLOCK = 64  # elements per absmax (bitsandbytes' blocksize)
 SCALE_BLOCK = 256  # absmax values per second-level scale (compress_statistics=True)
-CHUNK_ELEMENTS = 1 << 22  # rows are (de)quantized in chunks of about this many elements: bounded temporaries
+# Rows are (de)quantized in chunks of about this many elements: the temporaries stay under about
+# 6 bytes an element of a chunk (100 MB), with few enough chunks that a GPU's launches do not count
+CHUNK_ELEMENTS = 1 << 24
 # bitsandbytes' get_4bit_type("nf4"): the quantiles of a standard normal, normalised to [-1, 1]
 NF4_VALUES = (
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
