@@ -309,7 +309,8 @@ def run_in_one_interpreter(
 
 
 def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = ROOT):
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # tests/conftest.py's (DTRAIN_TEST_THREADS)
+    full_env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run(
         command,
         cwd=cwd,
