@@ -30,19 +30,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_figures import GIB, assert_printed, figure, gib, rounds_to
 from tests.estimate_scenarios import SCENARIOS, WORLD
 from tests.helpers import ROOT, one_interpreter_command, read_metrics, sft, worker_command
 
 SCENARIO_PLAN = [sys.executable, "-m", "tests.estimate_scenarios"]
 SEED = ["+experiment=llama3_8b_seed", "estimate.world_size=4"]
-# The dense loss, pinned: these tests are about the logits and activations cp splits (auto would
-# pick fused for Llama, whose plans hold no logits).
-LLAMA3_32K = [
-    "+experiment=llama3_8b_32k",
-    "estimate.world_size=8",
-    "estimate.format=json",
-    "parallel.loss_impl=dense",
-]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
@@ -68,9 +61,6 @@ def runs(tmp_path_factory):
     commands = {
         "table": ["estimate.world_size=4", "parallel.tp=4", "train.micro_batch_size=8"],
         "json": [*SEED, "estimate.format=json", "estimate.suggestions=false"],
-        # Llama-3-8B at 32k: the experiment as shipped (cp=2, tp=2), and cp=1 (does not fit; its
-        # suggestions, three more 8B plans, are not asked for here).
-        **{f"32k:cp{cp}": [*LLAMA3_32K, f"parallel.cp={cp}", "estimate.suggestions=false"] for cp in (1, 2)},
         # parallel.loss_impl=auto (the default): Granite's scaled logits take the dense loss (its
         # experiment, two layers), and so does a family without a TP plan (gpt_neox) at tp=1.
         "granite": [
@@ -100,7 +90,8 @@ def runs(tmp_path_factory):
     }
     processes = {
         "real": start(worker_command(WORLD, "estimate_real", "--out", str(out))),
-        # The scenarios planned with the real run's attention kernel (sdpa on a CPU), in one process.
+        # In one process: the scenarios planned with the real run's attention kernel (sdpa on a CPU),
+        # and the plans the docs quote (Llama-3-8B at 32k at cp=2 and cp=1, LoRA on 8B).
         "plans": start(SCENARIO_PLAN),
         "cli": start(one_interpreter_command(cli, commands, module="dtrain.estimate.app")),
     }
@@ -116,13 +107,14 @@ def runs(tmp_path_factory):
         assert outcome["returncode"] == 0, f"{name}: {commands[name]}\n{outcome['stderr'][-4000:]}"
         outputs[name] = outcome["stdout"]
     outputs["real"] = {name: json.loads((out / f"{name}.json").read_text()) for name in SCENARIOS}
+    outputs["plans"], outputs["docs"] = json.loads(outputs["plans"]).values()
     return outputs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_model_state_equals_the_real_sharded_tensors(runs, name):
-    planned = json.loads(runs["plans"])[name]["per_rank"]
+    planned = runs["plans"][name]["per_rank"]
     real = runs["real"][name]["real"]
     for key in ("params", "grads", "optimizer"):
         assert planned[key] == real[key], key
@@ -138,7 +130,7 @@ def test_peak_within_10_percent_of_an_independent_count(runs, name):
     them (at the other tiny shapes the logits are at most 3 % of the peak). LoRA's AdamW state is that
     of the adapters alone: the model-state test above holds its frozen base to no gradient and no
     state, byte for byte."""
-    planned = json.loads(runs["plans"])[name]
+    planned = runs["plans"][name]
     per_rank = planned["per_rank"]
     counted = runs["real"][name]["counted"]
     assert (
@@ -160,7 +152,7 @@ def test_peak_within_10_percent_of_an_independent_count(runs, name):
 def test_peak_within_10_percent_of_the_tracker_on_real_tensors(runs, name):
     """dtrain against dtrain on purpose: the same FSDPMemTracker on the real run's tensors, which
     separates what fake tensors change (this test) from what the tracker misses (the test above)."""
-    planned = json.loads(runs["plans"])[name]
+    planned = runs["plans"][name]
     real = runs["real"][name]["tracked"]
     assert real["micro_batches"] == planned["experiment"]["accumulation"]
     assert planned["per_rank"]["peak"] == pytest.approx(real["peak"], rel=0.10)
@@ -168,7 +160,7 @@ def test_peak_within_10_percent_of_the_tracker_on_real_tensors(runs, name):
 
 @pytest.mark.slow
 def test_context_parallel_halves_activations_and_logits_of_llama3_8b_at_32k(runs):
-    cp1, cp2 = (json.loads(runs[f"32k:cp{cp}"]) for cp in (1, 2))
+    cp1, cp2 = (runs["docs"][f"32k_cp{cp}"]["json"] for cp in (1, 2))
     assert cp1["experiment"]["mesh"] == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2}
     assert cp2["experiment"]["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
     for plan in (cp1, cp2):
@@ -251,7 +243,6 @@ def test_cli_json_agrees_with_the_sharding(runs):
     assert not plan["dtrain"]["analytic"] and all(layout["analytic"] for layout in plan["deepspeed"])
 
 
-GIB = 2**30
 KEPT = ("init", "backward", "first step")  # held at the end of a backward once Adam has its states
 
 
@@ -363,3 +354,99 @@ def test_gpu_check_script_plans_on_cpu():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "planned peak" in result.stdout
+
+
+LLAMA3_32K_COMMAND = "python -m dtrain.estimate +experiment=llama3_8b_32k estimate.world_size=8"
+
+
+@pytest.mark.slow
+def test_readme_and_models_quote_the_32k_plans(runs):
+    """README.md's and docs/models.md's Llama-3-8B at 32k figures are the plans' peaks (dense loss)."""
+    peaks = [gib(runs["docs"][f"32k_cp{cp}"]["json"]["per_rank"]["peak"], 1) for cp in (2, 1)]
+    readme = r"plans ([\d.]+) GiB per rank at cp=2, and at `parallel.cp=1` ([\d.]+) GiB"
+    assert figure("README.md", readme) == peaks
+    models = r"([\d.]+) GiB per rank by the planner, where cp=1 plans ([\d.]+) GiB"
+    assert figure("docs/models.md", models) == peaks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,anchor",
+    [
+        ("32k_cp2", f"`{LLAMA3_32K_COMMAND} parallel.loss_impl=dense`"),
+        ("32k_cp1", "The same experiment without context parallel"),
+    ],
+)
+def test_estimate_md_prints_the_32k_plans(runs, name, anchor):
+    """docs/estimate.md's printed plans of Llama-3-8B at 32k are what the planner prints now, line for
+    line (the planning time aside)."""
+    assert_printed("docs/estimate.md", anchor, runs["docs"][name]["table"])
+
+
+@pytest.mark.slow
+def test_the_docs_cp_figures_are_the_plans(runs):
+    """The cp=1 → cp=2 figures docs/estimate.md and docs/architecture.md quote: activations at the
+    peak, what the model's forward keeps, the logits, the loss's temporaries and the model state."""
+    cp1, cp2 = (runs["docs"][f"32k_cp{cp}"]["json"] for cp in (1, 2))
+    pairs = [
+        [gib(plan["per_rank"]["at_peak"]["activations"]) for plan in (cp1, cp2)],
+        [gib(plan["top_modules"][0]["activations"]) for plan in (cp1, cp2)],
+        [gib(plan["per_rank"]["logits"]) for plan in (cp1, cp2)],
+        [gib(plan["per_rank"]["at_peak"]["temporaries"]) for plan in (cp1, cp2)],
+    ]
+    state = gib(sum(cp2["per_rank"][key] for key in ("params", "grads", "optimizer")))
+    estimate = (
+        r"the activations at the peak \(([\d.]+) → ([\d.]+) GiB, [\d.]+×\), the activations the model's "
+        r"forward keeps \(([\d.]+) → ([\d.]+) GiB\), the logits \(([\d.]+) → ([\d.]+) GiB\) and the "
+        r"loss's fp32 temporaries \(([\d.]+) → ([\d.]+) GiB\), while the model state stays ([\d.]+) GiB"
+    )
+    assert figure("docs/estimate.md", estimate) == [*(value for pair in pairs for value in pair), state]
+    architecture = (
+        r"halves the activations at the peak \(([\d.]+) → ([\d.]+) GiB\) and the logits "
+        r"\(([\d.]+) → ([\d.]+) GiB\), while the model state stays ([\d.]+) GiB"
+    )
+    assert figure("docs/architecture.md", architecture) == [*pairs[0], *pairs[2], state]
+
+
+@pytest.mark.slow
+def test_the_lora_8b_figures_the_docs_quote_are_the_plan(runs):
+    """`+experiment=llama3_8b_lora estimate.world_size=1`: docs/estimate.md's LoRA table and
+    docs/models.md's peak are the plan's."""
+    plan = runs["docs"]["lora_8b"]["json"]
+    per_rank = plan["per_rank"]
+    state = gib(sum(per_rank[key] for key in ("params", "grads", "optimizer")))
+    headroom = f"{plan['verdict']['headroom_bytes'] / GIB:.1f}"
+    expected = [state, gib(per_rank["params"]), gib(per_rank["grads"]), gib(per_rank["optimizer"])]
+    table = (
+        r"\| \| llama3_8b_lora, 1 GPU \|.*?\| model state between steps \| ([\d.]+) \|.*?"
+        r"\| of which parameters \+ buffers \(bf16 base, fp32 adapters\) \| ([\d.]+) \|.*?"
+        r"\| adapter gradients / AdamW state \| ([\d.]+) / ([\d.]+) \|.*?"
+        r"\| peak \(in the loss\) \| ([\d.]+) \|.*?"
+        r"\| verdict at 80 GiB \| fits, ([\d.]+) GiB headroom \|"
+    )
+    assert figure("docs/estimate.md", table) == [*expected, gib(per_rank["peak"]), headroom]
+    assert per_rank["peak_phase"].startswith("loss"), per_rank["peak_phase"]
+    models = r"the base frozen in bf16: ([\d.]+) GiB peak per rank"
+    assert figure("docs/models.md", models) == [gib(per_rank["peak"], 1)]
+
+
+@pytest.mark.slow
+def test_the_seed_figures_the_docs_quote_are_the_plan(runs):
+    """docs/estimate.md on the seed (`+experiment=llama3_8b_seed estimate.world_size=4`): dtrain's
+    planned peak, and DeepSpeed's two ZeRO-1 layouts from their buffers (parameters per rank, GiB
+    before and after step 1), as the planner's JSON gives them."""
+    plan = json.loads(runs["json"])
+    peak = r"the seed's plan peaks at ([\d.]+) GiB per rank \(in the loss\)"
+    assert figure("docs/estimate.md", peak) == [gib(plan["per_rank"]["peak"])]
+    assert plan["per_rank"]["peak_phase"].startswith("loss")
+    layouts = {layout["name"]: layout for layout in plan["deepspeed"]}
+    for name, label in (
+        ("ZeRO-1 + AutoTP", r"ZeRO-1 \+ AutoTP, tp=4 as designed"),
+        ("ZeRO-1, AutoTP unsharded", r"ZeRO-1, AutoTP sharding nothing \(tp group 4, dp=1\)"),
+    ):
+        layout = layouts[name]
+        values = layout["local_params"] / 1e9, layout["before_first_step"] / GIB, layout["model_state"] / GIB
+        row = rf"\| {label} \| ([\d.]+) B \| ([\d.]+) GiB \| ([\d.]+) GiB \|"
+        quoted = figure("docs/estimate.md", row)
+        for written, value in zip(quoted, values, strict=True):
+            assert rounds_to(written, value), (name, quoted, values)

@@ -26,11 +26,12 @@ from dtrain.checks import check_config
 from dtrain.config import ConfigError
 from dtrain.estimate import planner
 from dtrain.estimate.app import compose
-from dtrain.estimate.report import verdict
+from dtrain.estimate.report import to_table, verdict
 from dtrain.model import load_model_config
 from dtrain.parallel import experts
 from dtrain.parallel.context import CONTEXT_KWARG, ContextShard, document_ids, local_token_indices
 from tests import reference
+from tests.doc_figures import assert_printed, figure, gib
 from tests.helpers import (
     DATASET,
     GLOBAL_BATCH,
@@ -242,21 +243,26 @@ def test_qwen3_30b_a3b_experiment_plans_the_shipped_architecture():
 QWEN3_30B_A3B = ["+experiment=qwen3_moe_30b_a3b_ep8", "estimate.world_size=8"]
 
 
-@pytest.mark.slow
-def test_qwen3_30b_a3b_at_ep8_computes_an_eighth_of_the_expert_weights_of_ep1():
-    """The Qwen3-30B-A3B experiment on 8 ranks planned at ep = 8 and at ep = 1, with 2 of its 48
-    identical decoder layers (+model.config.num_hidden_layers=2: the figures per layer and per rank
-    are the full model's, at a tenth of the planning time). The persistent expert bytes per rank are
-    the same at both, 1/8 of all (FSDP shards the experts over the 8 ranks whatever ep is: ep × efsdp
-    = 8); what ep divides is what a layer computes with on a rank: at ep = 1 FSDP gathers all 128
-    experts of the layer, at ep = 8 the rank computes its own 16, exactly 1/8 (and gathers none).
-    The reference sizes are transformers' own module shapes (meta device): fp32 master weights, bf16
-    compute (the experiment's precision)."""
+@pytest.fixture(scope="module")
+def qwen3_30b_a3b_two_layers():
+    """The Qwen3-30B-A3B experiment on 8 ranks with 2 of its 48 identical decoder layers
+    (+model.config.num_hidden_layers=2: what a layer holds and computes with is the full model's, at a
+    tenth of the planning time), planned at ep = 8, 4 and 1; and transformers' own model of it."""
     layers = [*QWEN3_30B_A3B, "+model.config.num_hidden_layers=2"]
-    planned = {ep: planner.plan(compose([*layers, f"parallel.ep={ep}"]), 8) for ep in (8, 1)}
+    plans = {ep: planner.plan(compose([*layers, f"parallel.ep={ep}"]), 8) for ep in (8, 4, 1)}
     model_config = load_model_config(compose(layers).model, offline=True)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        return plans, AutoModelForCausalLM.from_config(model_config)
+
+
+@pytest.mark.slow
+def test_qwen3_30b_a3b_at_ep8_computes_an_eighth_of_the_expert_weights_of_ep1(qwen3_30b_a3b_two_layers):
+    """The persistent bytes per rank are the same at ep = 8, 4 and 1, the experts' 1/8 of all (FSDP
+    shards the experts over the 8 ranks whatever ep is: ep × efsdp = 8); what ep divides is what a
+    layer computes with on a rank: at ep = 1 FSDP gathers all 128 experts of the layer, at ep = 8 the
+    rank computes its own 16, exactly 1/8 (and gathers none). The reference sizes are transformers'
+    own module shapes (meta device): fp32 master weights, bf16 compute (the experiment's precision)."""
+    planned, model = qwen3_30b_a3b_two_layers
     every_layer = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     one_layer = sum(p.numel() for p in model.model.layers[0].mlp.experts.parameters())
     assert every_layer == 2 * one_layer and model.model.layers[0].mlp.experts.num_experts == 128
@@ -264,21 +270,60 @@ def test_qwen3_30b_a3b_at_ep8_computes_an_eighth_of_the_expert_weights_of_ep1():
         experts = plan.layers["experts"]
         assert experts["total"] == 4 * every_layer, ep
         assert experts["local"] * 8 == experts["total"], ep
+        for key in ("params", "grads", "optimizer"):
+            assert getattr(plan.step, key) == getattr(planned[8].step, key), (ep, key)
     assert planned[1].layers["experts"]["computed_per_layer"] == 2 * one_layer
+    assert planned[4].layers["experts"]["computed_per_layer"] * 4 == 2 * one_layer
     assert planned[8].layers["experts"]["computed_per_layer"] * 8 == 2 * one_layer
 
 
-@pytest.mark.slow
-def test_qwen3_30b_a3b_experiment_fits_at_ep8():
-    """The shipped experiment as is (48 layers, ep = 8 over dp_shard = 8, 80 GiB GPUs): the planner's
-    verdict is that it fits, each rank holding 1/8 of the expert weights. The whole model is planned
-    (about 20 s of CPU; a shorter model's peak is not the full model's: the test above takes 2 layers
-    for ratios only); docs/estimate.md shows this plan."""
+@pytest.fixture(scope="module")
+def qwen3_30b_a3b():
+    """The shipped experiment as is (48 layers, ep = 8 over dp_shard = 8, 80 GiB GPUs), planned as
+    `python -m dtrain.estimate +experiment=qwen3_moe_30b_a3b_ep8 estimate.world_size=8` plans it
+    (about 30 s of CPU; a shorter model's peak is not the full model's)."""
     config = compose(QWEN3_30B_A3B)
-    plan = planner.plan(config, 8)
+    return config, planner.plan(config, 8)
+
+
+@pytest.mark.slow
+def test_qwen3_30b_a3b_experiment_fits_at_ep8(qwen3_30b_a3b):
+    """The planner's verdict on the whole model: it fits, each rank holding 1/8 of the expert weights."""
+    config, plan = qwen3_30b_a3b
     assert (plan.shape.ep, plan.shape.dp_shard, plan.model_type) == (8, 8, "qwen3_moe")
     assert verdict(plan.step.peak, config.estimate.gpu_memory_gib)["fits"], plan.step.peak
     assert plan.layers["experts"]["local"] * 8 == plan.layers["experts"]["total"]
+
+
+@pytest.mark.slow
+def test_the_qwen3_30b_a3b_figures_the_docs_quote_are_the_plans(qwen3_30b_a3b, qwen3_30b_a3b_two_layers):
+    """docs/estimate.md's printed plan is the planner's table now, line for line (the planning time
+    aside); its table across ep holds the whole model's per-rank bytes (the same at every ep: the
+    test above) and what a layer computes with at each ep (the 2-layer plans: per layer, the full
+    model's); docs/moe.md quotes the model state and the peak."""
+    config, plan = qwen3_30b_a3b
+    settings = config.estimate
+    table = to_table(plan, settings.gpu_memory_gib, [], settings.top_modules)
+    assert_printed("docs/estimate.md", "python -m dtrain.estimate +experiment=qwen3_moe_30b_a3b_ep8", table)
+    state = gib(plan.step.params + plan.step.grads + plan.step.optimizer)
+    experts = plan.layers["experts"]
+    computed = [qwen3_30b_a3b_two_layers[0][ep].layers["experts"]["computed_per_layer"] for ep in (1, 4, 8)]
+    rows = [
+        (r"model state between steps", [state] * 3),
+        (r"sharded parameters \(fp32\) \+ buffers", [gib(plan.step.params)] * 3),
+        (
+            rf"of which expert weights \(fp32, this rank's shard of {gib(experts['total'])}\)",
+            [gib(experts["local"])] * 3,
+        ),
+        (r"expert weights a layer computes with on a rank \(bf16, gathered\)", [gib(c) for c in computed]),
+    ]
+    for label, expected in rows:
+        quoted = figure(
+            "docs/estimate.md", rf"\| {label} \| ([\d.]+)[^|]* \| ([\d.]+)[^|]* \| ([\d.]+)[^|]* \|"
+        )
+        assert quoted == expected, label
+    moe = r"plans it offline: ([\d.]+) GiB of model state and a ([\d.]+) GiB peak per rank"
+    assert figure("docs/moe.md", moe) == [state, gib(plan.step.peak)]
 
 
 @pytest.mark.slow
