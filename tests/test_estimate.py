@@ -2,11 +2,12 @@
 
 - model state: the planner's parameter, gradient and AdamW bytes equal the bytes of the real
   sharded tensors of a real 4-process gloo run of the same experiment on the same mesh, exactly;
-- peak: within 10 % of the most bytes of live tensor storages a real step held, counted by the
-  worker's own StorageCounter (no code of the planner's tracker; the real step runs every
-  micro-batch, the planner two), dense, fused, a large vocabulary, context parallel on packed rows
-  and LoRA on a frozen bf16 base; a plan without its optimizer state (full fine-tuning) or, with
-  the large vocabulary, without its logits would miss by more than 10 %;
+- peak: the most bytes of live tensor storages a real step held, counted by the worker's own
+  StorageCounter (no code of the planner's tracker; the real step runs every micro-batch, the
+  planner two), dense, fused, a large vocabulary, context parallel on packed rows and LoRA on a
+  frozen bf16 base, each scenario held to the precision the plan has (PEAK_TOLERANCE: 1 %, and 5 %
+  below the count for context parallel on gloo); a plan without its optimizer state (LoRA's
+  adapters' included) or, with the large vocabulary, without its logits would be outside it;
 - the CLI: a table (tiny model), and the seed's JSON (+experiment=llama3_8b_seed: Llama-3-8B, tp=4
   on 4 ranks) whose figures agree with the sharding (total / world), and whose DeepSpeed layouts,
   summed from their buffers, give what the issue derived from DeepSpeed's code: 20 bytes per local
@@ -14,10 +15,13 @@
   and ZeRO-3 over dp=4 fitting in 80 GiB;
 - context parallel: Llama-3-8B's 32k-token rows (+experiment=llama3_8b_32k, 8 ranks) planned at cp=2
   and cp=1 with the same tp: per-rank activations and logits halve, and cp=2 fits in 80 GiB; and
-  the suggestions offer cp when a plan does not fit.
+  the suggestions offer cp when a plan does not fit;
+- the docs: the planner's figures README.md, docs/models.md, docs/architecture.md and
+  docs/estimate.md quote (the 32k plans, the LoRA 8B plan, the seed's) are read from the docs and
+  held to the plans (tests/doc_figures.py).
 
-Three processes start at once (the real run, the scenarios' plans, the command line's plans in one
-interpreter), then the tests read.
+Three processes start at once (the real run, the scenarios' and the docs' plans in one process, the
+command line's plans in one interpreter), then the tests read.
 """
 
 from __future__ import annotations
@@ -120,16 +124,27 @@ def test_model_state_equals_the_real_sharded_tensors(runs, name):
         assert planned[key] == real[key], key
 
 
+# How close each scenario's planned peak is held to the real step's: what the plan achieves. Where it
+# counts every tensor the real step allocates (the model state, FSDP's buffers and collectives, the
+# activations, the loss's temporaries) it equals the independent count to within a few scalars (96
+# bytes); 1 % holds that and still fails a plan without any part of the step, the smallest being
+# LoRA's AdamW state (3.4 % of its peak). Context parallel on gloo holds, in the backward of the
+# last layer, buffers of the attention's K/V collectives that the fake process group does not
+# allocate (docs/estimate.md, "How it is checked"): the plan is 0.964 of the count there, a lower
+# bound by what the collectives add, held within 5 % and never above the count.
+PEAK_TOLERANCE = {name: 0.01 for name in SCENARIOS} | {"cp2_tp2_packed": 0.05}
+UNDER_COUNT_ONLY = {"cp2_tp2_packed"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_peak_within_10_percent_of_an_independent_count(runs, name):
+def test_peak_is_an_independent_count_of_the_real_step(runs, name):
     """The planned peak against the live storages of a real step (StorageCounter in the worker:
-    every operator's outputs on the local shards, freed when their last reference goes). A plan that
-    dropped the AdamW state would be off by more than 10 % (full fine-tuning), and so, in the
-    large-vocabulary scenario, would a plan that dropped the logits and the loss's temporaries on
-    them (at the other tiny shapes the logits are at most 3 % of the peak). LoRA's AdamW state is that
-    of the adapters alone: the model-state test above holds its frozen base to no gradient and no
-    state, byte for byte."""
+    every operator's outputs on the local shards, freed when their last reference goes), within
+    PEAK_TOLERANCE; a plan that dropped the AdamW state (the adapters' alone with LoRA: the model-state
+    test above holds its frozen base to no gradient and no state, byte for byte) would be outside it,
+    and so, in the large-vocabulary scenario, would a plan that dropped the logits and the loss's
+    temporaries on them."""
     planned = runs["plans"][name]
     per_rank = planned["per_rank"]
     counted = runs["real"][name]["counted"]
@@ -138,24 +153,27 @@ def test_peak_within_10_percent_of_an_independent_count(runs, name):
         == planned["experiment"]["accumulation"]
         >= per_rank["micro_batches"]  # the real step runs all micro-batches, the plan at most two
     )
-    assert per_rank["peak"] == pytest.approx(counted, rel=0.10)
+    tolerance = PEAK_TOLERANCE[name]
+    assert per_rank["peak"] == pytest.approx(counted, rel=tolerance)
+    if name in UNDER_COUNT_ONLY:
+        assert per_rank["peak"] <= counted
     if name == "tp2_large_vocab":
         assert per_rank["peak_phase"].startswith("loss"), per_rank["peak_phase"]
         without_logits = per_rank["peak"] - per_rank["logits"] - per_rank["at_peak"]["temporaries"]
-        assert without_logits < 0.90 * counted
-    if not name.startswith("lora"):
-        assert per_rank["peak"] - per_rank["optimizer"] < 0.90 * counted
+        assert without_logits < (1 - tolerance) * counted
+    assert per_rank["peak"] - per_rank["optimizer"] < (1 - tolerance) * counted
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_peak_within_10_percent_of_the_tracker_on_real_tensors(runs, name):
+def test_peak_is_the_tracker_s_on_the_real_tensors(runs, name):
     """dtrain against dtrain on purpose: the same FSDPMemTracker on the real run's tensors, which
-    separates what fake tensors change (this test) from what the tracker misses (the test above)."""
+    separates what fake tensors change (this test) from what the tracker misses (the test above);
+    within the same PEAK_TOLERANCE (the tracker on real tensors sees what the counter sees)."""
     planned = runs["plans"][name]
     real = runs["real"][name]["tracked"]
     assert real["micro_batches"] == planned["experiment"]["accumulation"]
-    assert planned["per_rank"]["peak"] == pytest.approx(real["peak"], rel=0.10)
+    assert planned["per_rank"]["peak"] == pytest.approx(real["peak"], rel=PEAK_TOLERANCE[name])
 
 
 @pytest.mark.slow

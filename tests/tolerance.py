@@ -74,10 +74,11 @@ class AdamAllowance:
     gradient it computes differs from this run's by float noise: the parity tests' weight tolerance.
     Call `step()` after each `optimizer.step()`, before the scheduler's step and `zero_grad()`.
 
-    The noise: a gradient element may differ by eta = RTOL · max(RMS of its tensor's gradient, RMS of
-    all the gradients) (the second for a tensor whose gradient cancels to almost nothing: Qwen2's
-    k_proj bias, zero in exact arithmetic), and not at all where this run's is exactly zero (a token
-    absent from the step: its embedding row's gradient is zero in any order of summation).
+    The noise: a gradient element g may differ by eta = RTOL · (|g| + max(RMS of its tensor's
+    gradient, RMS of all the gradients)): relative noise, and the scale of the sums it is made of,
+    which for a gradient that cancels to almost nothing (Qwen2's k_proj bias, zero in exact
+    arithmetic) is not its own; and not at all where this run's is exactly zero (a token absent from
+    the step: its embedding row's gradient is zero in any order of summation).
 
     What AdamW makes of it: an element moves by lr·u, u = m̂ / (sqrt(v̂) + eps), m̂ and sqrt(v̂)
     weighted sums (sqrt(v̂) a weighted L2 norm) of its gradients so far. So the other run's m̂ and
