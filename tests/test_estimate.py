@@ -256,7 +256,6 @@ def test_cli_json_agrees_with_the_sharding(runs):
         layer = plan["layers"][name]
         assert layer["local"] * 4 == layer["total"], name
     assert plan["verdict"]["fits"] and plan["verdict"]["headroom_bytes"] > 0
-    assert per_rank["peak"] == sum(per_rank["at_peak"].values())
     assert plan["dtrain"]["model_state"] / 1e9 == pytest.approx(32.1, abs=0.05)  # 16 B × 8.03 B / 4
     assert not plan["dtrain"]["analytic"] and all(layout["analytic"] for layout in plan["deepspeed"])
 
