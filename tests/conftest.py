@@ -4,7 +4,11 @@ root (the folder above it) on sys.path, so tests and workers import `tests.helpe
 The `slow` marker (registered in pyproject.toml, with --strict-markers) keeps the inner loop,
 `python -m pytest -m "not slow"`, short. After a run this names each test outside the marker that
 took more than SLOW_S (its setup, which runs its module's fixtures, included), so that a test which
-belongs under the marker shows the first time the inner loop runs it."""
+belongs under the marker shows the first time the inner loop runs it.
+
+DTRAIN_TEST_CAPABILITY and DTRAIN_TEST_THREADS run everything on other CPU kernels and threads, and
+after a run the worst margin (gap / allowance, tests/tolerance.py) of each file is printed
+(tests/README.md, "Portability")."""
 
 from __future__ import annotations
 
