@@ -9,7 +9,6 @@ template (helpers.chat_rows), in file order: it shares no dtrain code.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from dtrain.metrics import flops_per_token
 from tests import reference
 from tests.helpers import (
     chat_rows,
+    one_interpreter_command,
     read_metrics,
     run,
     run_in_one_interpreter,
@@ -458,13 +458,18 @@ def test_a_peft_variant_dtrain_does_not_compute_is_refused_naming_its_key(refusa
 
 def test_export_from_a_lora_checkpoint_writes_the_adapter_and_the_merged_model(models, lora_runs, tmp_path):
     """python -m dtrain.export on 2x2's middle checkpoint: the adapter folder and, with --merged, the
-    merged model give the same logits (PEFT's model against transformers' own)."""
+    merged model give the same logits (PEFT's model against transformers' own). Both commands are
+    dtrain.export's main() in one interpreter (tests/workers/cli_many)."""
     checkpoint = Path(lora_runs["2x2"]["run_dir"]) / "checkpoints" / f"step-{STEPS // 2:08d}"
-    for out, extra in ((tmp_path / "adapter", []), (tmp_path / "merged", ["--merged"])):
-        result = run(
-            [sys.executable, "-m", "dtrain.export", str(checkpoint), str(out), "--dtype", "fp32", *extra]
-        )
-        assert result.returncode == 0, result.stdout[-3000:]
+    exports = {"adapter": [], "merged": ["--merged"]}
+    commands = {
+        out: [str(checkpoint), str(tmp_path / out), "--dtype", "fp32", *extra]
+        for out, extra in exports.items()
+    }
+    result = run(one_interpreter_command(tmp_path / "cli", commands, module="dtrain.export"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    for out, outcome in json.loads((tmp_path / "cli" / "out.json").read_text()).items():
+        assert outcome["returncode"] == 0, (out, outcome["output"][-3000:])
     base = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
