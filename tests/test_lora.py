@@ -9,6 +9,7 @@ template (helpers.chat_rows), in file order: it shares no dtrain code.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -403,7 +404,8 @@ PEFT_VARIANTS = {
 def refusals(models, tmp_path_factory):
     """`python -m dtrain.sft ARGS` for each refused LoRA setting, as dtrain.sft.main() in one
     interpreter (the checks come before any process group): a bad target module, lora.base_dtype=bf16
-    in an fp32 run, and a PEFT-written adapter folder of each variant in PEFT_VARIANTS."""
+    in an fp32 run, and an adapter folder of each variant in PEFT_VARIANTS (its adapter_config.json
+    written by PEFT's own LoraConfig; the refusal comes before the weights are read)."""
     root = tmp_path_factory.mktemp("lora_refusals")
     common = [
         f"model.name_or_path={models['llama']}",
@@ -414,10 +416,11 @@ def refusals(models, tmp_path_factory):
         "bad_target": ["lora.r=8", "lora.target_modules=[q_proj,qkv]"],
         "bf16_base_in_fp32": ["lora.r=8", "lora.base_dtype=bf16", "train.precision=fp32"],
     }
-    for name, variant in PEFT_VARIANTS.items():
-        base = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **variant)
-        get_peft_model(base, config).save_pretrained(root / name)
+    for name, variant in PEFT_VARIANTS.items():  # adapter_config.json as PEFT writes it; any weights
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **variant).save_pretrained(
+            root / name
+        )
+        shutil.copy(models["llama"] / "adapter" / "adapter_model.safetensors", root / name)
         commands[name] = [f"lora.adapter={root / name}"]
     commands = {
         name: [*common, *args, f"hydra.run.dir={root / 'runs' / name}"] for name, args in commands.items()
