@@ -10,7 +10,11 @@ others 2, which is all the planner runs, to keep the real run short.
 dtrain.estimate ... estimate.format=json` does) of each scenario NAME (default: all), planned with the
 attention kernel the real CPU run takes: sdpa with a dense mask (the command line plans CUDA's, flex
 attention with a block mask).
-Without a mask (rows neither packed nor split over cp) both take sdpa's causal kernel."""
+Without a mask (rows neither packed nor split over cp) both take sdpa's causal kernel.
+
+Without NAMEs it prints {"scenarios": those, "docs": the plans the docs quote (DOC_PLANS), as `python
+-m dtrain.estimate ARGS` plans them (CUDA's kernel; no suggestions), each {"json": the JSON object,
+"table": the printed table}}, for test_estimate to hold the docs' figures to them."""
 
 import json
 import sys
@@ -70,6 +74,14 @@ SCENARIOS = {
     ],
 }
 REAL_RUN_ATTENTION = "sdpa"  # dtrain.attention.backend_for on a CPU
+# The plans README.md, docs/models.md, docs/architecture.md and docs/estimate.md quote (the LoRA one
+# also docs/lora.md's experiment): each the command the docs give, without suggestions.
+LLAMA3_32K = ["+experiment=llama3_8b_32k", "estimate.world_size=8", "parallel.loss_impl=dense"]
+DOC_PLANS = {
+    "32k_cp2": LLAMA3_32K,
+    "32k_cp1": [*LLAMA3_32K, "parallel.cp=1"],
+    "lora_8b": ["+experiment=llama3_8b_lora", "estimate.world_size=1"],
+}
 
 
 def planned(name: str) -> dict:
@@ -83,5 +95,25 @@ def planned(name: str) -> dict:
     return to_json(result, settings.gpu_memory_gib, [], settings.top_modules)
 
 
+def planned_for_docs(name: str) -> dict:
+    from dtrain.estimate.app import compose
+    from dtrain.estimate.planner import plan
+    from dtrain.estimate.report import to_json, to_table
+
+    config = compose([*DOC_PLANS[name], "estimate.suggestions=false"])
+    settings = config.estimate
+    result = plan(config, settings.world_size)
+    return {
+        "json": to_json(result, settings.gpu_memory_gib, [], settings.top_modules),
+        "table": to_table(result, settings.gpu_memory_gib, [], settings.top_modules),
+    }
+
+
 if __name__ == "__main__":  # one process plans them all: an interpreter's start-up is most of a plan
-    print(json.dumps({name: planned(name) for name in sys.argv[1:] or SCENARIOS}))
+    if sys.argv[1:]:
+        print(json.dumps({name: planned(name) for name in sys.argv[1:]}))
+    else:
+        scenarios = {name: planned(name) for name in SCENARIOS}
+        print(
+            json.dumps({"scenarios": scenarios, "docs": {name: planned_for_docs(name) for name in DOC_PLANS}})
+        )

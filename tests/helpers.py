@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+import dtrain
 from dtrain.config import (
     CheckpointConfig,
     Config,
@@ -32,6 +34,17 @@ ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "dtrain" / "assets"
 DATASET = ASSETS / "sft_tiny.jsonl"
 TOKENIZER = ASSETS / "tiny_llama"  # the embedded model folder: config.json and tokenizer, no weights
+
+
+def dtrain_frames(output: str) -> list[str]:
+    """The traceback lines of `output` in dtrain's own code: files under the repository's `dtrain`
+    package folder, named by its path (as launched from ROOT, and as this process imported it), not
+    by a `/dtrain/` anywhere in a path (a clone named dtrain/ holds its .venv, and so torch's and
+    datasets' files, under one)."""
+    packages = {str(ROOT / "dtrain"), str(Path(dtrain.__file__).parent)}
+    pattern = "|".join(re.escape(package + os.sep) for package in sorted(packages))
+    return re.findall(rf'File "(?:{pattern})[^"]*", line \d+', output)
+
 
 # Small enough for 2 CPU cores; 4 heads and 4 KV heads so that tp=4 divides them.
 TINY = dict(
@@ -296,7 +309,8 @@ def run_in_one_interpreter(
 
 
 def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = ROOT):
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # tests/conftest.py's (DTRAIN_TEST_THREADS)
+    full_env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run(
         command,
         cwd=cwd,

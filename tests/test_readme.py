@@ -26,7 +26,7 @@ COVERED_ELSEWHERE = {
     # test_metrics.py's ./launch/local.sh is this torchrun of the embedded default at NPROC=4
     "torchrun --nproc_per_node=4 -m dtrain.sft",
     # test_estimate.py plans this Llama-3-8B experiment through the same CLI (its JSON output)
-    "python -m dtrain.estimate +experiment=llama3_tp4 estimate.world_size=4",
+    "python -m dtrain.estimate +experiment=llama3_8b_seed estimate.world_size=4",
 }
 TINY_RUN = ["train.max_steps=2"]
 # A hub model cannot be downloaded here: experiments run on the fixture folder (4 KV heads, so tp=4
