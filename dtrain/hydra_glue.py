@@ -1,8 +1,9 @@
-"""What the Hydra entry points (dtrain.sft, dtrain.estimate) share: the schema registered as
+"""What the Hydra entry points (dtrain.sft, dtrain.dpo, dtrain.estimate) share: the schema registered as
 `dtrain_schema` (which conf/config.yaml names), the resolvers conf/ uses, and how a bad config ends.
 
-Each entry point registers its own schema: dtrain.sft the training `Config`, dtrain.estimate
-`PlanConfig` (the same plus the `estimate` group), so each rejects the other's keys.
+Each entry point registers its own schema: dtrain.sft the training `Config`, dtrain.dpo
+`PreferenceConfig` (the same plus the `dpo` group), dtrain.estimate `PlanConfig` (that plus the
+`estimate` group), so each rejects the keys it does not take.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ EXIT_CONFIG_ERROR = 2
 # The embedded default's tuned settings (conf/experiment/embedded.yaml) apply to a command line that
 # names none of these: a model, a dataset or an experiment of its own gets the schema's defaults.
 EMBEDDED = "+experiment=embedded"
+EMBEDDED_DPO = "+experiment=embedded_dpo"  # dtrain.dpo's (conf/experiment/embedded_dpo.yaml)
 _GROUPS = ("model", "data", "experiment")
 _SOURCES = ("model.name_or_path", "data.path", "data.mix")
 FAIL_GRACE_S = 5.0
@@ -101,9 +103,9 @@ def output_folder(overrides: list[str]) -> Path | None:
     return Path("multirun" if sweeping else "outputs") / pinned_run_name()
 
 
-def with_embedded_defaults(overrides: list[str]) -> list[str]:
-    """`overrides` (a command line after the program name) plus EMBEDDED if they name no model, no
-    dataset and no experiment."""
+def with_embedded_defaults(overrides: list[str], embedded: str = EMBEDDED) -> list[str]:
+    """`overrides` (a command line after the program name) plus `embedded` (EMBEDDED: dtrain.sft's)
+    if they name no model, no dataset and no experiment."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
@@ -116,7 +118,7 @@ def with_embedded_defaults(overrides: list[str]) -> list[str]:
             continue
         if key in _GROUPS or key.startswith(_SOURCES):
             return overrides
-    return [*overrides, EMBEDDED]
+    return [*overrides, embedded]
 
 
 def register(schema: type[Config], default_precision: Callable[[], str]) -> None:

@@ -10,23 +10,30 @@
   the non-pad slots, and the objective's own (the router's `aux_loss` and `expert_load`; DPO's
   rewards).
 
-SFT's token loss is `TokenLoss`; the router's aux term lives here, behind every objective: its share
-of each micro-batch is added to what is differentiated (its micro-step function takes the router) and
-its figures, with coef · aux_loss added to the logged loss, come with every objective's.
+SFT's token loss is `TokenLoss`, DPO's pair loss `PairLoss` (dtrain.dpo); the router's aux term
+lives here, behind every objective: its share of each micro-batch is added to what is differentiated
+(each micro-step function takes the router) and its figures, with coef · aux_loss added to the logged
+loss, come with every objective's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from dtrain.config import Config, ParallelConfig
+from dtrain import dpo_loss
+from dtrain.config import Config, DPOConfig, ParallelConfig
+from dtrain.data.loader import SFTLoader
+from dtrain.data.pairs import Pairs
 from dtrain.distributed import Parallel
-from dtrain.loss import loss_context
+from dtrain.loss import IGNORE, loss_context
 from dtrain.parallel.experts import RouterStats
+from dtrain.reference import Reference, precomputed
 from dtrain.step import evaluate, global_counts, micro_step, summed_loss
 
 
@@ -119,6 +126,83 @@ class TokenLoss(Objective):
         return evaluate(self.model, micro_batches, self.parallel, *self.loss)
 
 
-def build_objective(config: Config, model: torch.nn.Module, parallel: Parallel) -> Objective:
-    """The objective a run trains with."""
-    return TokenLoss(model, parallel, LossSettings.of(config.parallel))
+class PairLoss(Objective):
+    """DPO (dtrain.dpo): Σ over the step's pairs of ℓ_i, divided by the step's pair count over every
+    dp rank (dtrain.dpo_loss), plus dpo.sft_weight × the NLL of the chosen completions (a mean over
+    the step's chosen tokens), plus the router's aux term. Each step's reference log-probs are set
+    before its first gradient (dtrain.reference)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        parallel: Parallel,
+        loss: LossSettings,
+        settings: DPOConfig,
+        reference: Reference,
+    ) -> None:
+        super().__init__(model, parallel, loss)
+        self.settings, self.reference = settings, reference
+
+    def count(self, micro_batches: list[dict[str, Any]]) -> None:
+        self.tokens, self.filled = global_counts(micro_batches, self.parallel)
+        pairs = sum(mb["pair_index"].numel() for mb in micro_batches)
+        self.pairs = torch.tensor(float(pairs), device=self.parallel.device)
+        dist.all_reduce(self.pairs, group=self.parallel["dp"].get_group())  # tp, cp ranks: the same pairs
+        chosen = sum(
+            ((mb["sequence_index"] % 2 == 0) & (mb["labels"] != IGNORE)).sum() for mb in micro_batches
+        )
+        self.chosen_tokens = torch.as_tensor(chosen, device=self.parallel.device).float()
+        dist.all_reduce(self.chosen_tokens, group=self.parallel.token_group)
+        self.reference.set_logps(micro_batches)
+        self.sums = torch.zeros(len(dpo_loss.FIGURES), dtype=torch.float64, device=self.parallel.device)
+
+    def forward(self, micro_batch: dict[str, Any]) -> torch.Tensor:
+        return dpo_loss.sequence_logps(
+            self.model, micro_batch, self.loss.impl, self.loss.chunk, self.parallel["cp"]
+        )
+
+    def micro_step(self, micro_batch: dict[str, Any]) -> None:
+        self.sums += dpo_loss.micro_step(
+            self.model,
+            micro_batch,
+            self.pairs,
+            self.chosen_tokens,
+            self.settings,
+            self.parallel["cp"],
+            *self.loss,
+            router=self.router,
+        )
+
+    def reduce(self) -> StepFigures:
+        dist.all_reduce(self.sums, group=self.parallel["dp"].get_group())
+        figures = dict(zip(dpo_loss.FIGURES, (self.sums / self.pairs).tolist(), strict=True))
+        nll = (self.sums[1] / self.chosen_tokens).item()
+        loss = figures.pop("loss") + self.settings.sft_weight * nll
+        figures.pop("nll")
+        if self.settings.sft_weight:
+            figures["nll_loss"] = nll
+        return StepFigures(loss, int(self.tokens.item()), self.filled.item(), figures)
+
+
+def build_objective(
+    config: Config,
+    model: torch.nn.Module,
+    parallel: Parallel,
+    loader: SFTLoader,
+    run_dir: Path,
+    step: int,
+    resume_from: Path | None,
+    reference_model: Callable[[], torch.nn.Module],
+) -> Objective:
+    """The objective a run trains with: DPO's for preference pairs (the loader's), with its
+    reference (precomputed over the loader's stream at step 0, else read from the run folder; or
+    `reference_model()`, a frozen copy, for dpo.reference=live), else SFT's token loss."""
+    loss = LossSettings.of(config.parallel)
+    if not isinstance(loader.rows, Pairs):
+        return TokenLoss(model, parallel, loss)
+    mode = config.dpo.reference
+    frozen = reference_model() if mode == "live" else model
+    reference = Reference(mode, parallel, loss, frozen)
+    if mode == "precompute":
+        reference.table = precomputed(config, model, loader, parallel, loss, run_dir, step, resume_from)
+    return PairLoss(model, parallel, loss, config.dpo, reference)

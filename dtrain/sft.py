@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -29,11 +30,12 @@ from dtrain.checkpoint import (
     remove_checkpoints,
     saved_step,
 )
-from dtrain.checks import check_config
+from dtrain.checks import check_config, pairs_data
 from dtrain.config import Config, ConfigError, to_config
 from dtrain.distributed import init_distributed, rank_from_env, shutdown, world_size_from_env
 from dtrain.hydra_glue import (
     CONF,
+    EMBEDDED,
     EXIT_CONFIG_ERROR,
     JobFailed,
     fail,
@@ -55,12 +57,23 @@ from dtrain.sinks import WANDB_ID
 
 log = logging.getLogger("dtrain")
 
-# bf16 where it is fast (CUDA); fp32 on CPU, where bf16 is slow and the tests need exact numerics.
-register(Config, lambda: "bf16" if torch.cuda.is_available() else "fp32")
+
+def default_precision() -> str:
+    """bf16 where it is fast (CUDA); fp32 on CPU, where bf16 is slow and the tests need exact numerics."""
+    return "bf16" if torch.cuda.is_available() else "fp32"
+
+
+register(Config, default_precision)
 
 
 @hydra.main(version_base=None, config_path=str(CONF), config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
+    run_job(cfg)
+
+
+def run_job(cfg: DictConfig, preference: bool = False) -> None:
+    """One job (a run, or one of a sweep) on every rank; `preference`: dtrain.dpo's (its data must be
+    preference pairs, and config.yaml records the reference it resolved)."""
     under_submitit = bool(os.environ.get("SUBMITIT_EXECUTOR"))  # hydra/launcher=submitit_*: no torchrun
     if under_submitit:  # a task per device: the rank environment comes from submitit
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
@@ -71,6 +84,10 @@ def hydra_main(cfg: DictConfig) -> None:
     end = functools.partial(end_job, sweeping)
     try:
         config = to_config(cfg)
+        if preference and not pairs_data(config.data):
+            raise ConfigError(
+                f"data.format={config.data.format}: dtrain.dpo trains on data.format=preference"
+            )
         check_model_folder(config.model.name_or_path)
         model_config = load_model_config(config.model)
         shape = check_config(config, world_size_from_env(), model_config)
@@ -79,6 +96,8 @@ def hydra_main(cfg: DictConfig) -> None:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         resolved["model"]["init"] = config.model.init  # config.yaml shows what ran (auto resolved)
         resolved["parallel"]["loss_impl"] = config.parallel.loss_impl  # likewise (check_config)
+        if preference:
+            resolved["dpo"]["reference"] = config.dpo.reference  # likewise (dpo.reference=auto)
         checkpoints = checkpoint_dir(config.checkpoint, run_dir)
         start_over = config.checkpoint.resume == "never"
         conflict = None if start_over else other_run_in(run_dir, checkpoints, resolved)
@@ -163,8 +182,10 @@ def quiet_this_rank() -> None:
             logging.root.removeHandler(handler)
 
 
-def main() -> None:
-    sys.argv[1:] = with_embedded_defaults(sys.argv[1:])
+def main(entry: Callable[[], None] | None = None, embedded: str = EMBEDDED) -> None:
+    """The command line's run (or sweep): `entry`, a Hydra main (dtrain.sft's hydra_main unless
+    given), with `embedded` (an experiment) added when it names no model, no data and no experiment."""
+    sys.argv[1:] = with_embedded_defaults(sys.argv[1:], embedded)
     try:
         # The run (or sweep) folder's name, from the command line: every rank and node computes the
         # same one; pinned now so that submitit's jobs, which run elsewhere, share it.
@@ -175,7 +196,7 @@ def main() -> None:
     if rank_from_env() != 0:  # no .hydra/ or Hydra log file; hydra_main quiets the rest (quiet_this_rank)
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     try:
-        hydra_main()
+        (entry or hydra_main)()
     except KeyboardInterrupt:  # a Ctrl-C before training started (the loop handles its own): no traceback
         fail("interrupted", EXIT_INTERRUPTED, prefix="")
     finally:
