@@ -186,11 +186,6 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     return shape
 
 
-def pairs_data(data: DataConfig) -> bool:
-    """Whether the data are preference pairs (data.format=preference: dtrain.dpo's)."""
-    return all(source.format == "preference" for source in data.sources())
-
-
 def check_preference(config: Config) -> None:
     """Preference pairs (data.format=preference) train with dtrain.dpo (whose schema has the `dpo`
     group), never mixed with other formats; dpo.*'s values, and dpo.reference=auto resolved."""

@@ -125,6 +125,12 @@ class DataConfig(SourceConfig):
     eval_fraction: float = 0.0
     """... or this fraction of each source held out (seeded)."""
 
+    @property
+    def preference(self) -> bool:
+        """Whether the data are preference pairs (data.format=preference, dtrain.dpo's; never mixed
+        with other formats: dtrain/checks.py)."""
+        return all(source.format == "preference" for source in self.sources())
+
     def sources(self) -> list[Source]:
         """The datasets to read: data.*'s own source, or each data.mix entry merged onto data.*'s
         source fields (an unknown key or a wrong type raises a ConfigError naming data.mix[i].KEY)."""

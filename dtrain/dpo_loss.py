@@ -112,12 +112,13 @@ def sequence_logps(
             logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="none"
         )
         tokens = -(losses.to_local() if isinstance(losses, DTensor) else losses).view(labels.shape)
-    index = micro_batch["sequence_index"]
-    scored = index >= 0
+    # Each scored position into its sequence's sum, the others (log-prob 0) into a spare last slot:
+    # static shapes (no boolean indexing), as the planner's fake tensors need.
     count = micro_batch["completion_tokens"].numel()
-    sums = torch.zeros(count, dtype=torch.float32, device=tokens.device).index_add(
-        0, index[scored], tokens[scored]
-    )
+    index = micro_batch["sequence_index"].flatten()
+    index = torch.where(index >= 0, index, count)
+    sums = torch.zeros(count + 1, dtype=torch.float32, device=tokens.device)
+    sums = sums.index_add(0, index, tokens.flatten())[:count]
     if cp.size() > 1:
         sums = _SumOverRanks.apply(sums, cp.get_group())
     return sums.view(-1, 2)

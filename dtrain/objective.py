@@ -20,34 +20,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dtrain import dpo_loss
-from dtrain.config import Config, DPOConfig, ParallelConfig
-from dtrain.data.loader import SFTLoader
-from dtrain.data.pairs import Pairs
+from dtrain.config import Config, DPOConfig
 from dtrain.distributed import Parallel
-from dtrain.loss import IGNORE, loss_context
+from dtrain.loss import IGNORE, LossSettings, loss_context
 from dtrain.parallel.experts import RouterStats
-from dtrain.reference import Reference, precomputed
+from dtrain.reference import Reference
 from dtrain.step import evaluate, global_counts, micro_step, summed_loss
-
-
-class LossSettings(NamedTuple):
-    """How the loss is computed on the mesh (parallel.loss_parallel, loss_impl, loss_chunk), in the
-    order dtrain.step's functions take them."""
-
-    parallel: bool = True
-    impl: str = "dense"
-    chunk: int = 0
-
-    @classmethod
-    def of(cls, settings: ParallelConfig) -> LossSettings:
-        return cls(settings.loss_parallel, settings.loss_impl, settings.loss_chunk)
 
 
 @dataclass
@@ -68,6 +52,7 @@ class Objective:
         self.model, self.parallel, self.loss = model, parallel, loss
         self.router = RouterStats.attach(model)  # mixture of experts: routing figures and the aux loss
         self.tokens = torch.zeros((), device=parallel.device)  # the step's supervised tokens
+        self.frozen: list[torch.nn.Module] = []  # models it runs besides `model` (DPO's live reference)
 
     def begin_step(self, micro_batches: list[dict[str, Any]]) -> None:
         """The step's global counts (`count`), then the router's start of the step, whose counting
@@ -142,6 +127,8 @@ class PairLoss(Objective):
     ) -> None:
         super().__init__(model, parallel, loss)
         self.settings, self.reference = settings, reference
+        if reference.mode == "live":
+            self.frozen.append(reference.model)
 
     def count(self, micro_batches: list[dict[str, Any]]) -> None:
         self.tokens, self.filled = global_counts(micro_batches, self.parallel)
@@ -188,21 +175,17 @@ def build_objective(
     config: Config,
     model: torch.nn.Module,
     parallel: Parallel,
-    loader: SFTLoader,
-    run_dir: Path,
-    step: int,
-    resume_from: Path | None,
     reference_model: Callable[[], torch.nn.Module],
+    table: Callable[[], torch.Tensor],
 ) -> Objective:
-    """The objective a run trains with: DPO's for preference pairs (the loader's), with its
-    reference (precomputed over the loader's stream at step 0, else read from the run folder; or
-    `reference_model()`, a frozen copy, for dpo.reference=live), else SFT's token loss."""
+    """The objective a run (or a plan) trains with: DPO's for preference pairs, with its reference,
+    else SFT's token loss. dpo.reference=live: `reference_model()`, a frozen copy of the policy;
+    precompute: `table()`, the reference log-probs of every pair (dtrain.reference.precomputed)."""
     loss = LossSettings.of(config.parallel)
-    if not isinstance(loader.rows, Pairs):
+    if not config.data.preference:
         return TokenLoss(model, parallel, loss)
     mode = config.dpo.reference
-    frozen = reference_model() if mode == "live" else model
-    reference = Reference(mode, parallel, loss, frozen)
+    reference = Reference(mode, parallel, loss, reference_model() if mode == "live" else model)
     if mode == "precompute":
-        reference.table = precomputed(config, model, loader, parallel, loss, run_dir, step, resume_from)
+        reference.table = table()
     return PairLoss(model, parallel, loss, config.dpo, reference)

@@ -27,15 +27,15 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.distributed.fsdp import FSDPModule
 
 from dtrain.config import Config, ConfigError
 from dtrain.data.loader import SFTLoader
 from dtrain.data.pairs import Pairs
 from dtrain.distributed import Parallel
 from dtrain.dpo_loss import sequence_logps
-from dtrain.loss import loss_context
+from dtrain.loss import LossSettings, loss_context
 from dtrain.parallel.lora import adapters_bypassed
+from dtrain.parallel.parallelize import reshard
 from dtrain.step import local_micro_batch
 
 log = logging.getLogger("dtrain")
@@ -47,7 +47,7 @@ class Reference:
     gradients of `model` (live: the frozen copy; adapters_off: the policy, adapters bypassed)."""
 
     def __init__(
-        self, mode: str, parallel: Parallel, loss: Any, model: torch.nn.Module | None = None
+        self, mode: str, parallel: Parallel, loss: LossSettings, model: torch.nn.Module | None = None
     ) -> None:
         self.mode, self.parallel, self.loss, self.model = mode, parallel, loss, model
         self.table: torch.Tensor | None = None  # precompute: [pairs of the dataset, 2]
@@ -58,6 +58,8 @@ class Reference:
                 micro_batch["ref_logps"] = self.table[micro_batch["pair_index"]]
             else:
                 micro_batch["ref_logps"] = self.forward(micro_batch)
+        if self.mode == "live":  # its root stays gathered after a forward without backward: free it
+            reshard(self.model)
 
     @torch.no_grad()
     def forward(self, micro_batch: dict[str, Any]) -> torch.Tensor:
@@ -74,7 +76,6 @@ def precomputed(
     model: torch.nn.Module,
     loader: SFTLoader,
     parallel: Parallel,
-    loss: Any,
     run_dir: Path,
     step: int,
     resume_from: Path | None,
@@ -85,7 +86,7 @@ def precomputed(
     identity = fingerprint(config, pairs)
     if step > 0:
         return read_table(identity, run_dir, resume_from, step).to(parallel.device)
-    table = compute_table(model, loader, parallel, loss)
+    table = compute_table(model, loader, parallel, LossSettings.of(config.parallel))
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_file(
@@ -137,7 +138,9 @@ def read_table(identity: str, run_dir: Path, resume_from: Path | None, step: int
 
 
 @torch.no_grad()
-def compute_table(model: torch.nn.Module, loader: SFTLoader, parallel: Parallel, loss: Any) -> torch.Tensor:
+def compute_table(
+    model: torch.nn.Module, loader: SFTLoader, parallel: Parallel, loss: LossSettings
+) -> torch.Tensor:
     """Every pair's log-probabilities under `model` as it is now, [pairs, 2] on every rank, each
     computed in the micro-batch the first epoch trains it in (the loader's stream from its start), so
     that at step 1 policy and reference compute the same sums the same way: the loss is exactly ln 2
@@ -153,9 +156,7 @@ def compute_table(model: torch.nn.Module, loader: SFTLoader, parallel: Parallel,
             indices.append(micro_batch["pair_index"])
             logps.append(reference.forward(local_micro_batch(micro_batch, parallel)))
     model.train(training)
-    for module in model.modules():  # FSDP leaves the root unsharded after a forward without backward,
-        if isinstance(module, FSDPModule):  # its parameters swapped for the unsharded ones: not the
-            module.reshard()  # optimizer's (the trainer lists them after this)
+    reshard(model)  # the trainer lists the optimizer's (sharded) parameters after this
     order, values = (gathered(torch.cat(parts), parallel) for parts in (indices, logps))
     # In the stream's order (step, rank, place), each pair's first time: the tail's second epoch
     # repeats the first pairs of its first.

@@ -30,7 +30,7 @@ from dtrain.checkpoint import (
     remove_checkpoints,
     saved_step,
 )
-from dtrain.checks import check_config, pairs_data
+from dtrain.checks import check_config
 from dtrain.config import Config, ConfigError, to_config
 from dtrain.distributed import init_distributed, rank_from_env, shutdown, world_size_from_env
 from dtrain.hydra_glue import (
@@ -84,7 +84,7 @@ def run_job(cfg: DictConfig, preference: bool = False) -> None:
     end = functools.partial(end_job, sweeping)
     try:
         config = to_config(cfg)
-        if preference and not pairs_data(config.data):
+        if preference and not config.data.preference:
             raise ConfigError(
                 f"data.format={config.data.format}: dtrain.dpo trains on data.format=preference"
             )

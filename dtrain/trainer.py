@@ -27,6 +27,7 @@ from dtrain.model import build_model, has_weights, tokenizer_source
 from dtrain.objective import Objective, build_objective
 from dtrain.optim import build_optimizer, build_scheduler, trainable_parameters
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
+from dtrain.reference import precomputed
 from dtrain.reliability import Preempted, StallWatch, StepGuard
 from dtrain.sinks import Sink, open_sinks
 from dtrain.step import local_micro_batch, optimizer_step
@@ -99,11 +100,12 @@ def start_run(
         config.train.max_steps = steps_for_epochs(config.train, len(data.train))
     scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
     progress = load(resume_from, model, optimizer, scheduler, data.train) if resume_from else Progress()
-    # SFT's token loss, or DPO's pair loss with its reference (precomputed now at step 0)
+    # SFT's token loss, or DPO's pair loss with its reference (precomputed now, at step 0)
     frozen = functools.partial(build_model, model_config, config, parallel, device, vocab_rows, frozen=True)
-    objective = build_objective(
-        config, model, parallel, data.train, run_dir, progress.step, resume_from, frozen
+    table = functools.partial(
+        precomputed, config, model, data.train, parallel, run_dir, progress.step, resume_from
     )
+    objective = build_objective(config, model, parallel, frozen, table)
     faults = Faults.from_env()
     checkpointer = Checkpointer(
         config.checkpoint, checkpoint_dir(config.checkpoint, run_dir), resolved, faults

@@ -19,7 +19,7 @@ from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
 from dtrain.config import ConfigError, DataConfig, Source, TrainConfig
-from dtrain.data.formats import FORMATS, KEPT, TRUNCATED, Preference, pad_id, tokenize_example
+from dtrain.data.formats import FORMATS, KEPT, TRUNCATED, pad_id, tokenize_example
 from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
 from dtrain.data.packing import efficiency, one_per_row, pack
 from dtrain.data.pairs import Pairs
@@ -78,16 +78,10 @@ def build_data(
 
 
 def to_rows(examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Rows | Pairs:
-    if is_preference(data):  # pairs, packed per micro-batch (dtrain/data/pairs.py)
+    if data.preference:  # pairs, packed per micro-batch (dtrain/data/pairs.py)
         return Pairs(examples, data.max_len, pad_id(tokenizer), data.packing)
     layout = pack(column(examples, "length"), data.max_len) if data.packing else one_per_row(len(examples))
     return Rows(examples, layout, data.max_len, pad_id(tokenizer))
-
-
-def is_preference(data: DataConfig) -> bool:
-    """Whether the data are preference pairs (dtrain.dpo), which no source mixes with other formats
-    (checked before launch, dtrain/checks.py)."""
-    return isinstance(FORMATS[data.sources()[0].format], Preference)
 
 
 def column(dataset: datasets.Dataset, name: str) -> list:

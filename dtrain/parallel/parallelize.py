@@ -169,6 +169,14 @@ def apply_fsdp(
         set_prefetch(layers, settings.fsdp_prefetch)
 
 
+def reshard(model: nn.Module) -> None:
+    """Free every gathered parameter. FSDP keeps the root gathered after a forward without backward,
+    its module's parameters swapped for the unsharded ones (not the optimizer's)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def reshards(mode: str, index: int, num_layers: int) -> bool:
     """Whether decoder layer `index` frees its gathered parameters after forward. auto: every layer
     but the last, whose backward starts right after forward and would gather them again at once."""
