@@ -191,6 +191,7 @@ def strings(records: list[dict]) -> list[dict]:
     return [{key: value[0]["content"] for key, value in record.items()} for record in records]
 
 
+@pytest.mark.slow  # TRL's trainer tokenizes
 @pytest.mark.parametrize("kind", ["explicit", "implicit", "explicit_strings", "implicit_strings"])
 def test_tokenized_pairs_equal_trls_own(inputs, tmp_path, tmp_path_factory, kind):
     """TRL's tokenization of the same records, token for token: conversations through the chat template
@@ -299,6 +300,7 @@ BAD = {
 }
 
 
+@pytest.mark.slow  # a process
 def test_bad_input_fails_with_one_line_and_exit_code_2(tmp_path):
     """Each: the one-line message naming what is wrong, exit code 2 (dtrain.dpo's main, one process)."""
     from tests.helpers import one_interpreter_command

@@ -186,7 +186,7 @@ def main() -> None:
     rows = make_rows(rng)
     ASSETS.mkdir(parents=True, exist_ok=True)
     write_jsonl(ASSETS / "sft_tiny.jsonl", rows)
-    write_jsonl(ASSETS / "dpo_tiny.jsonl", make_preference_rows(random.Random(SEED + 1), rows, 1000))
+    write_jsonl(ASSETS / "dpo_tiny.jsonl", make_preference_rows(random.Random(SEED + 1), rows, 512))
     model_dir = ASSETS / "tiny_llama"  # its config.json (the architecture) is kept as it is
     for p in model_dir.glob("*"):
         if p.name != "config.json":
