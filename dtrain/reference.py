@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -87,18 +88,18 @@ def precomputed(
     if step > 0:
         return read_table(identity, run_dir, resume_from, step).to(parallel.device)
     table = compute_table(model, loader, parallel, LossSettings.of(config.parallel))
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # whole or not at all: a partial file is never read
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {"logps": table.cpu().contiguous()}, str(run_dir / FILE), metadata={"fingerprint": identity}
-        )
+        partial = run_dir / f".{FILE}.partial"
+        save_file({"logps": table.cpu().contiguous()}, str(partial), metadata={"fingerprint": identity})
+        os.replace(partial, run_dir / FILE)
     log.info(f"dpo.reference=precompute: the reference log-probs of {len(pairs)} pairs in {run_dir / FILE}")
     return table
 
 
 def fingerprint(config: Config, pairs: Pairs) -> str:
     """What the table depends on: the starting policy (model, LoRA, seed, precision) and the pairs
-    (how many, and each one's length)."""
+    (their token ids, in order)."""
     identity = {
         "model": repr(config.model),
         "lora": repr(config.lora),
