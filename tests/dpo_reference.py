@@ -61,16 +61,24 @@ def trl_args(steps: int, batch: int, lr: float, max_len: int, **dpo: Any):
     )
 
 
-def trainer(model_dir: Path, records: list[dict], args, peft: dict | None = None):
+def trainer(
+    model_dir: Path, records: list[dict], args, peft: dict | None = None, adapter: Path | None = None
+):
     """A DPOTrainer on `model_dir` (fp32) and `records`; `peft`: a peft LoraConfig's keyword arguments
-    (the trainer wraps the model itself, its reference: the adapters disabled)."""
+    (the trainer wraps the model itself, its reference: the adapters disabled); `adapter`: a PEFT
+    adapter folder the model starts from (PeftModel.from_pretrained; TRL's reference: a frozen copy
+    of it)."""
     from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoTokenizer
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOTrainer
 
+    model = str(model_dir)
+    if adapter is not None:
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
     return DPOTrainer(
-        model=str(model_dir),
+        model=model,
         args=args,
         train_dataset=Dataset.from_list(records),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
@@ -87,11 +95,13 @@ def trl_run(
     max_len: int,
     peft: dict | None = None,
     adapters: dict[str, torch.Tensor] | None = None,
+    adapter: Path | None = None,
     **dpo: Any,
 ) -> dict[str, list[float]]:
     """METRICS of each step of a DPOTrainer run. `adapters`: PEFT names → initial LoRA weights copied
-    into the trainer's adapter before training (dtrain's initial A; B is zero in both)."""
-    run = trainer(model_dir, records, trl_args(steps, batch, lr, max_len, **dpo), peft)
+    into the trainer's adapter before training (dtrain's initial A; B is zero in both); `adapter`: a
+    PEFT adapter folder to start from (trainer())."""
+    run = trainer(model_dir, records, trl_args(steps, batch, lr, max_len, **dpo), peft, adapter)
     if adapters:
         state = run.model.state_dict()
         for key, tensor in adapters.items():  # base_model.model.X.lora_A.weight → ...lora_A.default.weight

@@ -1,9 +1,11 @@
 """dtrain.dpo against TRL 1.16's DPOTrainer (tests/dpo_reference.py: no dtrain code): the same
 records tokenized token for token, and the same training run (fp32, TRL with one micro-batch holding
 the whole global batch on one process) on every mesh: 1×1 (every loss type, RPO, a weighted mix,
-packed rows, the live reference), dp_shard 4, tp 2 × dp 2 (sequence parallel), cp 2 × tp 2 on packed
-pairs, dp_replicate 2 × dp_shard 2, LoRA at tp 2 × dp 2 with adapters_off (TRL with a peft_config),
-a tiny Qwen3-MoE at ep 2 × tp 2 with its aux loss; each with sigmoid and ipo. The mesh runs are one
+packed rows, the live reference, LoRA from a non-zero PEFT adapter: TRL's reference is a frozen copy
+of it, dtrain's dpo.reference=auto precomputes the starting policy), dp_shard 4, tp 2 × dp 2
+(sequence parallel), cp 2 × tp 2 on packed pairs, dp_replicate 2 × dp_shard 2, LoRA at tp 2 × dp 2
+with adapters_off (TRL with a peft_config), a tiny Qwen3-MoE at ep 2 × tp 2 with its aux loss; each
+with sigmoid and ipo. The mesh runs are one
 launch per world size (tests/workers/dpo_runs.py), the TRL runs computed once and cached.
 
 Tolerance (RTOL = 1e-5 relative, per step, on loss, grad norm and the rewards): fp32 throughout,
@@ -34,6 +36,7 @@ from dtrain.data.pairs import NO_SEQUENCE, Pairs
 from dtrain.data.pipeline import prepare
 from tests.dpo_reference import cached, preference_records, trl_run, trl_tokenized, write_jsonl
 from tests.helpers import TOKENIZER, run, run_worker, save_tiny_llama, save_tiny_moe
+from tests.test_lora import save_peft_adapter
 from tests.test_parity import reference_cache_dir
 from tests.workers.dpo_runs import GLOBAL_BATCH, LR, MAX_LEN, SCENARIOS, STEPS
 
@@ -51,8 +54,11 @@ def inputs(tmp_path_factory):
         "full": preference_records(PAIRS, seed=1, long=True),
         "equal": [{**record, "rejected": record["chosen"]} for record in preference_records(PAIRS, seed=2)],
     }
+    llama = save_tiny_llama(root / "llama", tied=False)
+    save_peft_adapter(llama)  # llama/adapter: non-zero A and B on every projection, written by PEFT
     return {
-        "llama": save_tiny_llama(root / "llama", tied=False),
+        "llama": llama,
+        "adapter": llama / "adapter",
         "moe": save_tiny_moe(root / "moe"),
         "records": records,
         **{kind: write_jsonl(root / f"{kind}.jsonl", rows) for kind, rows in records.items()},
@@ -63,7 +69,7 @@ def inputs(tmp_path_factory):
 def runs(inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("dpo_runs")
     args = ["--out", str(out)]
-    for name in ("llama", "moe", "pairs", "full", "equal"):
+    for name in ("llama", "moe", "pairs", "full", "equal", "adapter"):
         args += [f"--{name}", str(inputs[name])]
     # while developing: DTRAIN_DPO_ONLY=1x1_sigmoid,dp4_ipo runs only those (the other tests then fail)
     args += ["--only", os.environ.get("DTRAIN_DPO_ONLY", "")]
@@ -91,16 +97,20 @@ def reference(inputs, runs, name: str, cache: Path) -> dict:
     model, data, overrides = {**SCENARIOS[1], **SCENARIOS[4]}[name]
     settings = trl_settings(overrides)
     peft = adapters = None
+    adapter = inputs["adapter"] if "lora.adapter" in overrides else None  # TRL from the same PEFT folder
     if "lora.r" in overrides:
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         peft = dict(r=overrides["lora.r"], lora_alpha=overrides["lora.alpha"], target_modules=targets)
         adapters = runs[name]["adapters"]
-    key = [model, data, settings, peft, STEPS, GLOBAL_BATCH, LR, MAX_LEN, inputs["records"][data]]
+    key = [model, data, settings, peft, adapter is not None, STEPS, GLOBAL_BATCH, LR, MAX_LEN]
+    key += [inputs["records"][data]]
     key += [sorted((k, v.sum().item()) for k, v in (adapters or {}).items())]
 
     def compute() -> dict:
         records = inputs["records"][data]
-        return trl_run(inputs[model], records, STEPS, GLOBAL_BATCH, LR, MAX_LEN, peft, adapters, **settings)
+        return trl_run(
+            inputs[model], records, STEPS, GLOBAL_BATCH, LR, MAX_LEN, peft, adapters, adapter, **settings
+        )
 
     return cached(cache, "trl-dpo", key, compute)
 

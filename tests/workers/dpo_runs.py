@@ -40,6 +40,7 @@ MESHES = {  # 4 ranks
     "moe_ep2_tp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.ep": 2, "train.micro_batch_size": 2},
 }
 MIXED = {"dpo.loss_type": ["sigmoid", "ipo"], "dpo.loss_weights": [0.7, 0.3]}
+ADAPTER = "--adapter"  # a scenario's override taking the worker's --adapter folder
 
 
 def mesh_scenario(mesh: str, overrides: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
@@ -61,6 +62,8 @@ SCENARIOS: dict[int, dict[str, tuple[str, str, dict[str, Any]]]] = {
         "1x1_packed": ("llama", "pairs", {"data.packing": True}),
         "1x1_live": ("llama", "pairs", {"dpo.reference": "live"}),
         "1x1_equal": ("llama", "equal", {"data.packing": True}),
+        # from a non-zero PEFT adapter: dpo.reference=auto takes precompute, the starting adapter (TRL's)
+        "1x1_lora_adapter": ("llama", "pairs", {"lora.adapter": ADAPTER}),
     },
     4: {
         **{
@@ -90,8 +93,11 @@ def run(config: PreferenceConfig, out: Path, device: torch.device, resume: Path 
     return train(config, shape, model_config, device, out, resolved={}, resume_from=resume).history
 
 
-def scenario(name: str, spec: tuple, models: dict, data: dict, out: Path, device: torch.device) -> dict:
+def scenario(
+    name: str, spec: tuple, models: dict, data: dict, out: Path, device: torch.device, adapter: Path
+) -> dict:
     model, pairs, overrides = spec
+    overrides = {key: str(adapter) if value == ADAPTER else value for key, value in overrides.items()}
     config = dpo_config(models[model], data[pairs], overrides)
     saved: dict[str, Any] = {}
     if "lora.r" in overrides:  # dtrain's initial adapters, by PEFT's names (B is zero): TRL starts from them
@@ -110,7 +116,7 @@ def scenario(name: str, spec: tuple, models: dict, data: dict, out: Path, device
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    for name in ("llama", "moe", "pairs", "full", "equal"):
+    for name in ("llama", "moe", "pairs", "full", "equal", "adapter"):
         parser.add_argument(f"--{name}", type=Path, required=True)
     parser.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
     args = parser.parse_args()
@@ -120,7 +126,7 @@ def main() -> None:
     models = {"llama": args.llama, "moe": args.moe}
     data = {"pairs": args.pairs, "full": args.full, "equal": args.equal}
     results = {
-        name: scenario(name, spec, models, data, args.out, device)
+        name: scenario(name, spec, models, data, args.out, device, args.adapter)
         for name, spec in SCENARIOS[dist.get_world_size()].items()
         if not wanted or name in wanted
     }
