@@ -6,6 +6,7 @@ instead of hanging a collective."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any
@@ -171,6 +172,7 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     if parallel.loss_impl == "auto":  # resolved here, so config.yaml and the planner see what runs
         parallel.loss_impl = auto_loss_impl(model_config)
     check_loss_support(model_config, parallel.loss_impl)
+    check_lora_off(config.lora)
     if lora.enabled(config.lora):
         check_lora(config.lora, model_config, train.precision)
     if parallel.loss_impl in ("chunked", "fused") and parallel.loss_chunk < 1:
@@ -302,6 +304,23 @@ def check_expert_parallel(model_config: Any, shape: MeshShape, parallel: Paralle
             f"parallel.tp={shape.tp}: the model has dense MLP layers among its expert layers "
             "(mlp_only_layers, decoder_sparse_step), which the mixture-of-experts plans do not cover yet"
         )
+
+
+def check_lora_off(settings: LoraConfig) -> None:
+    """lora.r below 0, or 0 (LoRA off, a full fine-tune) beside another lora key set: a typo would
+    otherwise train every parameter without a word."""
+    if settings.r < 0:
+        raise ConfigError(f"lora.r={settings.r}: must be >= 0 (0: LoRA off, every parameter trains)")
+    if settings.r > 0 or settings.adapter:
+        return
+    default = LoraConfig()
+    for item in dataclasses.fields(LoraConfig):
+        value = getattr(settings, item.name)
+        if value != getattr(default, item.name):
+            raise ConfigError(
+                f"lora.{item.name}={value} is set but lora.r=0 (LoRA off: every parameter trains); "
+                "set lora.r to train adapters"
+            )
 
 
 def check_lora(settings: LoraConfig, model_config: Any, precision: str) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor
@@ -252,8 +252,11 @@ def tensor_files(folder: str) -> dict[str, Path]:
         raise ConfigError(f"model.name_or_path={folder!r}: no *.safetensors files to load")
     where = {}
     for file in files:
-        with safe_open(file, "pt") as reader:
-            where |= dict.fromkeys(reader.keys(), file)
+        try:
+            with safe_open(file, "pt") as reader:
+                where |= dict.fromkeys(reader.keys(), file)
+        except SafetensorError as error:  # truncated, or not safetensors at all: on every rank alike
+            raise ConfigError(f"{file}: not a readable safetensors file ({error}); copy it again") from None
     return where
 
 

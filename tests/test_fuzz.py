@@ -67,6 +67,19 @@ def check(record: dict, data: DataConfig) -> str:
     return row["status"]
 
 
+def bounded(max_examples: int) -> settings:
+    """hypothesis' settings for these properties: derandomized (the examples follow from the test's
+    name, not from a random seed or the local example database), so which outcomes occur, and
+    assert_both_outcomes' verdict, are the same on every machine and run."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
 def assert_both_outcomes(outcomes: Counter) -> None:
     assert outcomes["kept"] > 0 and outcomes["refused"] > 0, dict(outcomes)
 
@@ -74,7 +87,7 @@ def assert_both_outcomes(outcomes: Counter) -> None:
 def test_prompt_response_records():
     outcomes = Counter()
 
-    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @bounded(80)
     @given(prompt=values, response=values, system=values, overlong=st.sampled_from(["truncate", "drop"]))
     def records(prompt, response, system, overlong):
         data = DataConfig(path="fuzz.jsonl", system_key="system", overlong=overlong)
@@ -87,7 +100,7 @@ def test_prompt_response_records():
 def test_messages_records():
     outcomes = Counter()
 
-    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @bounded(80)
     @given(messages=st.one_of(values, st.lists(message, max_size=5), conversation))
     def records(messages):
         outcomes[check({"messages": messages}, DataConfig(path="fuzz.jsonl", format="messages"))] += 1
@@ -99,7 +112,7 @@ def test_messages_records():
 def test_text_records():
     outcomes = Counter()
 
-    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @bounded(40)
     @given(text=values)
     def records(text):
         outcomes[check({"text": text}, DataConfig(path="fuzz.jsonl", format="text"))] += 1
@@ -127,7 +140,7 @@ def test_whole_files(tmp_path_factory):
     """Through datasets: a file is either prepared into rows or refused with a ConfigError."""
     outcomes = Counter()
 
-    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @bounded(12)
     @given(lines=st.one_of(st.lists(line, max_size=6), st.lists(good_line, min_size=1, max_size=4)))
     def files(lines):
         path = tmp_path_factory.mktemp("fuzz") / "data.jsonl"
