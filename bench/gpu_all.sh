@@ -22,11 +22,16 @@
 #      dataset at 2048 tokens; its metrics.jsonl gives tokens/s, MFU (forward + activation
 #      gradients over the base, weight gradients for the adapters only) and peak memory. The dry run
 #      trains the embedded tiny Llama with lora.r=16 for 2 steps instead.
+#    - dpo: a `torchrun --nproc_per_node=1 -m dtrain.dpo +experiment=llama3_8b_dpo_lora` of 10 steps
+#      (issue 41): Llama-3-8B's shape, random init, LoRA r=16 on a bf16 base, the reference the same
+#      model with its adapters bypassed, 32 shipped pairs a micro-batch packed into rows of 1024; its
+#      metrics.jsonl gives tokens/s, MFU, peak memory and the rewards. The dry run trains the
+#      embedded DPO default with lora.r=16 for 2 steps instead.
 # 3. A short table: each check's status, seconds and figures file ($OUT/summary.txt too).
 #
 # Exit status: 0 when every check passed, 1 otherwise. Per-check limits (seconds) come from
-# T_ESTIMATE, T_SFT, T_LORA, T_TESTS and T_GPU_CHECK; on the GPU the defaults sum to 9.5 minutes, under one
-# device command; the dry run allows each 5 minutes (a shared CPU is slow, and it times nothing).
+# T_ESTIMATE, T_SFT, T_LORA, T_DPO, T_TESTS and T_GPU_CHECK; on the GPU the defaults sum to 11.5 minutes, two
+# device commands' worth; the dry run allows each 5 minutes (a shared CPU is slow, and it times nothing).
 set -uo pipefail
 
 # One function, parsed whole before it runs: editing this file during a run cannot break that run.
@@ -68,8 +73,9 @@ main() {
     echo "dry run: dtrain is already installed in this environment; no pip install"
     DRY_FLAG=(--dry-run)
     SFT_STEPS=2
-    : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_LORA:=300}" "${T_TESTS:=300}" "${T_GPU_CHECK:=300}"
+    : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_LORA:=300}" "${T_DPO:=300}" "${T_TESTS:=300}" "${T_GPU_CHECK:=300}"
     LORA_RUN=(lora.r=16 train.max_steps=2 parallel.tp=1 train.precision=bf16)
+    DPO_RUN=(lora.r=16 train.max_steps=2 parallel.tp=1 train.precision=bf16)
   else
     echo "torch==${TORCH_BEFORE%% *}" >"$OUT/constraints.txt"
     "$PYTHON" -m pip install -q -e "$ROOT" -c "$OUT/constraints.txt" >"$OUT/install.log" 2>&1 || {
@@ -86,6 +92,9 @@ main() {
     SFT_STEPS=20
     LORA_RUN=(+experiment=llama3_8b_lora model.init=random model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft
       data.packing=true data.max_len=2048 train.max_steps=10 train.global_batch_size=8)
+    DPO_RUN=(+experiment=llama3_8b_dpo_lora model.init=random model.tokenizer=dtrain/assets/tiny_llama
+      data=tiny_dpo data.packing=true data.max_len=1024 train.max_steps=10 train.global_batch_size=64
+      train.micro_batch_size=32)
   fi
 
   check estimate "${T_ESTIMATE:-90}" "$OUT/estimate.json" \
@@ -99,6 +108,10 @@ main() {
   check lora "${T_LORA:-60}" "$OUT/lora/metrics.jsonl" \
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.sft \
     "${LORA_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/lora"
+
+  check dpo "${T_DPO:-120}" "$OUT/dpo/metrics.jsonl" \
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.dpo \
+    "${DPO_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/dpo"
 
   CUDA_ONLY='skipif(not torch.cuda.is_available(), reason="needs a GPU")'
   mapfile -t CUDA_TESTS < <(grep -lF "$CUDA_ONLY" tests/test_*.py 2>/dev/null)

@@ -1,7 +1,8 @@
 """The small experiments the planner is checked against a real gloo run on (4 ranks): the embedded
 default (tiny Llama, shipped data) with accumulation, with and without activation checkpointing, with
-the fused loss, with a large vocabulary, with context parallel on packed rows, and LoRA on a frozen
-bf16 base in a bf16 run. The same overrides go to the planner and to the real run; each names its
+the fused loss, with a large vocabulary, with context parallel on packed rows, LoRA on a frozen
+bf16 base in a bf16 run, and dtrain.dpo's step on the embedded pairs (a live reference; LoRA with
+its adapters bypassed). The same overrides go to the planner and to the real run; each names its
 loss (`parallel.loss_impl`), so a change of the default changes none. One scenario accumulates 4
 micro-batches (the planner tracks 2 of any accumulation: this checks that two stand for more); the
 others 2, which is all the planner runs, to keep the real run short.
@@ -71,6 +72,34 @@ SCENARIOS = {
         "lora.r=8",
         "lora.base_dtype=bf16",
         "parallel.loss_impl=dense",
+    ],
+    # dtrain.dpo on the embedded pairs: micro-batches of 4 pairs (8 rows), the live reference (a
+    # frozen copy of the policy, sharded like it) run before the step's first gradient
+    "dpo_tp2_live": [
+        *_COMMON,
+        "data=tiny_dpo",
+        "data.max_len=32",
+        "parallel.tp=2",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=16",
+        "dpo.reference=live",
+        "parallel.loss_impl=fused",
+        "parallel.loss_chunk=16",
+    ],
+    # dtrain.dpo with LoRA on a frozen bf16 base: the reference is the same model with its adapters
+    # bypassed (dpo.reference=auto: adapters_off), no second model
+    "lora_dpo_bf16_tp2": [
+        *_COMMON,
+        "data=tiny_dpo",
+        "data.max_len=32",
+        "parallel.tp=2",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=16",
+        "train.precision=bf16",
+        "lora.r=8",
+        "lora.base_dtype=bf16",
+        "parallel.loss_impl=fused",
+        "parallel.loss_chunk=16",
     ],
 }
 REAL_RUN_ATTENTION = "sdpa"  # dtrain.attention.backend_for on a CPU
