@@ -1,8 +1,9 @@
-"""What the Hydra entry points (dtrain.sft, dtrain.estimate) share: the schema registered as
+"""What the Hydra entry points (dtrain.sft, dtrain.dpo, dtrain.estimate) share: the schema registered as
 `dtrain_schema` (which conf/config.yaml names), the resolvers conf/ uses, and how a bad config ends.
 
-Each entry point registers its own schema: dtrain.sft the training `Config`, dtrain.estimate
-`PlanConfig` (the same plus the `estimate` group), so each rejects the other's keys.
+Each entry point registers its own schema: dtrain.sft the training `Config`, dtrain.dpo
+`PreferenceConfig` (the same plus the `dpo` group), dtrain.estimate `PlanConfig` (that plus the
+`estimate` group), so each rejects the keys it does not take.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ EXIT_CONFIG_ERROR = 2
 # The embedded default's tuned settings (conf/experiment/embedded.yaml) apply to a command line that
 # names none of these: a model, a dataset or an experiment of its own gets the schema's defaults.
 EMBEDDED = "+experiment=embedded"
+EMBEDDED_DPO = "+experiment=embedded_dpo"  # dtrain.dpo's (conf/experiment/embedded_dpo.yaml)
 _GROUPS = ("model", "data", "experiment")
 _SOURCES = ("model.name_or_path", "data.path", "data.mix")
 FAIL_GRACE_S = 5.0
@@ -119,21 +121,22 @@ def override_keys(overrides: list[str]) -> list[str]:
     return keys
 
 
-def with_embedded_defaults(overrides: list[str]) -> list[str]:
-    """`overrides` (a command line after the program name) plus EMBEDDED if they name no model, no
-    dataset and no experiment."""
+def with_embedded_defaults(overrides: list[str], embedded: str = EMBEDDED) -> list[str]:
+    """`overrides` (a command line after the program name) plus `embedded` (EMBEDDED: dtrain.sft's)
+    if they name no model, no dataset and no experiment."""
     if any(key in _GROUPS or key.startswith(_SOURCES) for key in override_keys(overrides)):
         return overrides
-    return [*overrides, EMBEDDED]
+    return [*overrides, embedded]
 
 
 def fit_embedded_default(cfg: DictConfig, world_size: int, overrides: list[str]) -> str | None:
-    """The embedded default (EMBEDDED among Hydra's `overrides`) on any world size: its experiment's
+    """The embedded default (EMBEDDED, or dtrain.dpo's EMBEDDED_DPO, among Hydra's `overrides`) on any
+    world size: its experiment's
     tp (2) where it divides the ranks, else 1; its global batch (32) where dp divides it, else the
     largest multiple of dp below it; the largest micro batch up to the experiment's (16) that divides
     each dp rank's share. Only what the command line does not set itself, in `cfg` (so config.yaml
     holds what runs). Returns what changed, for the run's first line, or None."""
-    if EMBEDDED not in overrides:
+    if EMBEDDED not in overrides and EMBEDDED_DPO not in overrides:
         return None
     given = set(override_keys(overrides))
     parallel, train = cfg.parallel, cfg.train

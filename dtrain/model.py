@@ -122,16 +122,19 @@ def build_model(
     device: torch.device | None,
     vocab_rows: int | None = None,
     attention_backend: str = "auto",
+    frozen: bool = False,
 ) -> nn.Module:
     """The one way dtrain makes a model: on the meta device, sharded over the mesh (TP, activation
     checkpointing, compile, FSDP2: parallelize), then this rank's shards allocated on `device` and
     filled as model.init says. `device=None` leaves the shards on the meta device for the caller
     to allocate (the planner, on fake tensors; export, from a checkpoint). `vocab_rows` defaults
-    to the vocabulary padded for this tp (a resumed run passes the checkpoint's)."""
+    to the vocabulary padded for this tp (a resumed run passes the checkpoint's). `frozen`: forwards
+    only, in the compute dtype (parallelize's; dtrain.dpo's live reference)."""
     rows = vocab_rows or vocab.padded_vocab_size(model_config.vocab_size, parallel.tp_size)
     model = build_meta_model(model_config, config.data.packing, rows, attention_backend)
     lora_settings = lora.resolve(config.lora)
-    parallelize(model, parallel, config.parallel, config.train.precision, lora_settings, config.train.seed)
+    precision, seed = config.train.precision, config.train.seed
+    parallelize(model, parallel, config.parallel, precision, lora_settings, seed, frozen)
     if device is not None:
         materialize(model, device, config.model, config.train.seed, lora_settings)
     return model

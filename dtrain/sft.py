@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -37,6 +38,7 @@ from dtrain.config import Config, ConfigError, to_config
 from dtrain.distributed import init_distributed, rank_from_env, shutdown, world_size_from_env
 from dtrain.hydra_glue import (
     CONF,
+    EMBEDDED,
     EXIT_CONFIG_ERROR,
     JobFailed,
     check_run_folder,
@@ -65,12 +67,23 @@ from dtrain.sinks import WANDB_ID
 
 log = logging.getLogger("dtrain")
 
-# bf16 where it is fast (CUDA); fp32 on CPU, where bf16 is slow and the tests need exact numerics.
-register(Config, lambda: "bf16" if torch.cuda.is_available() else "fp32")
+
+def default_precision() -> str:
+    """bf16 where it is fast (CUDA); fp32 on CPU, where bf16 is slow and the tests need exact numerics."""
+    return "bf16" if torch.cuda.is_available() else "fp32"
+
+
+register(Config, default_precision)
 
 
 @hydra.main(version_base=None, config_path=str(CONF), config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
+    run_job(cfg)
+
+
+def run_job(cfg: DictConfig, preference: bool = False) -> None:
+    """One job (a run, or one of a sweep) on every rank; `preference`: dtrain.dpo's (its data must be
+    preference pairs, and config.yaml records the reference it resolved)."""
     under_submitit = bool(os.environ.get("SUBMITIT_EXECUTOR"))  # hydra/launcher=submitit_*: no torchrun
     if under_submitit:  # a task per device: the rank environment comes from submitit
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
@@ -82,6 +95,10 @@ def hydra_main(cfg: DictConfig) -> None:
     try:
         fitted = fit_embedded_default(cfg, world_size_from_env(), list(HydraConfig.get().overrides.task))
         config = to_config(cfg)
+        if preference and not config.data.preference:
+            raise ConfigError(
+                f"data.format={config.data.format}: dtrain.dpo trains on data.format=preference"
+            )
         check_model_folder(config.model.name_or_path)
         model_config = load_model_config(config.model)
         shape = check_config(config, world_size_from_env(), model_config)
@@ -90,6 +107,8 @@ def hydra_main(cfg: DictConfig) -> None:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         resolved["model"]["init"] = config.model.init  # config.yaml shows what ran (auto resolved)
         resolved["parallel"]["loss_impl"] = config.parallel.loss_impl  # likewise (check_config)
+        if preference:
+            resolved["dpo"]["reference"] = config.dpo.reference  # likewise (dpo.reference=auto)
         checkpoints = checkpoint_dir(config.checkpoint, run_dir)
         start_over = config.checkpoint.resume == "never"
         conflict = None if start_over else other_run_in(run_dir, checkpoints, resolved)
@@ -189,14 +208,16 @@ def quiet_this_rank() -> None:
             logging.root.removeHandler(handler)
 
 
-def main() -> None:
+def main(entry: Callable[[], None] | None = None, embedded: str = EMBEDDED) -> None:
+    """The command line's run (or sweep): `entry`, a Hydra main (dtrain.sft's hydra_main unless
+    given), with `embedded` (an experiment) added when it names no model, no data and no experiment."""
     die_with_launcher()  # under torchrun: never outlive it
     with scheduler_signals_held():  # a SIGTERM while starting: save after the first step, exit 75
-        run_command()
+        run_command(entry or hydra_main, embedded)
 
 
-def run_command() -> None:
-    sys.argv[1:] = with_embedded_defaults(sys.argv[1:])
+def run_command(entry: Callable[[], None], embedded: str) -> None:
+    sys.argv[1:] = with_embedded_defaults(sys.argv[1:], embedded)
     try:
         # The run (or sweep) folder's name, from the command line: every rank and node computes the
         # same one; pinned now so that submitit's jobs, which run elsewhere, share it.
@@ -210,7 +231,7 @@ def run_command() -> None:
     if rank_from_env() != 0:  # no .hydra/ or Hydra log file; hydra_main quiets the rest (quiet_this_rank)
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     try:
-        hydra_main()
+        entry()
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # done: a launcher that passed on a signal reads it
             write_exit_status(0)
     except KeyboardInterrupt:  # a Ctrl-C before training started (the loop handles its own): no traceback

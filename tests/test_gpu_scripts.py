@@ -1,7 +1,8 @@
 """The GPU scripts run in CI: `bench/gpu_all.sh --dry-run` goes through every step of the device run
 (bench/gpu_estimate_check.py's plan and real step, a 1-process `torchrun -m dtrain.sft` in bf16,
-bench/gpu_check.py's variants) on the CPU with tiny shapes, over the same code as on CUDA, so the
-first lent GPU is not spent on an ImportError or a bad flag. No figure here is a GPU figure."""
+its LoRA and dtrain.dpo LoRA runs, bench/gpu_check.py's variants) on the CPU with tiny shapes, over
+the same code as on CUDA, so the first lent GPU is not spent on an ImportError or a bad flag. No
+figure here is a GPU figure."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def test_gpu_all_dry_run_runs_every_check(tmp_path):
         "sft": "ok",
         "lora": "ok",
         "qlora": "ok",
+        "dpo": "ok",
         "cuda_tests": "none",
         "gpu_check": "ok",
     }
@@ -46,6 +48,8 @@ def test_gpu_all_dry_run_runs_every_check(tmp_path):
     assert read_metrics(out / "sft")[-1]["step"] == 2  # the dry run's step count (20 on the GPU)
     assert read_metrics(out / "lora")[-1]["step"] == 2  # the LoRA row's (10 on the GPU: Llama-3-8B)
     assert read_metrics(out / "qlora")[-1]["step"] == 2  # QLoRA's (10 on the GPU: 70B-shaped layers)
+    dpo = read_metrics(out / "dpo")  # the DPO LoRA row's (10 on the GPU: Llama-3-8B)
+    assert dpo[-1]["step"] == 2 and "rewards/accuracies" in dpo[-1]
 
     check = json.loads((out / "gpu_check.json").read_text())
     assert check["failed"] == [], check["failed"]

@@ -407,7 +407,10 @@ def main_in_process(monkeypatch, cwd: Path, *overrides: str) -> tuple[int, str]:
     from dtrain import sft
 
     monkeypatch.chdir(cwd)
-    monkeypatch.delenv("DTRAIN_RUN_NAME", raising=False)
+    # main sets DTRAIN_RUN_NAME for its resolver: set it here first so that monkeypatch unsets it after
+    # the test (delenv of an unset variable records nothing, and the name leaked into later tests)
+    monkeypatch.setenv("DTRAIN_RUN_NAME", "")
+    monkeypatch.delenv("DTRAIN_RUN_NAME")
     monkeypatch.setattr(sys, "argv", ["dtrain.sft", "parallel.tp=1", *overrides])
     stderr = io.StringIO()
     with redirect_stderr(stderr), pytest.raises(SystemExit) as exit:

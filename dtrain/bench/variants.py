@@ -176,7 +176,10 @@ def dtrain_step(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device,
         ),
         optim=OptimConfig(lr=LR, max_grad_norm=MAX_NORM, schedule="constant"),
         train=TrainConfig(global_batch_size=setup.batch * dp, micro_batch_size=setup.batch),
-        lora=LoraConfig(r=setup.lora_r, alpha=2.0 * setup.lora_r, base_dtype=setup.base_dtype),
+        # LoRA's keys only with LoRA on: lora.alpha beside lora.r=0 is refused as a typo
+        lora=LoraConfig(r=setup.lora_r, alpha=2.0 * setup.lora_r, base_dtype=setup.base_dtype)
+        if setup.lora_r
+        else LoraConfig(),
     )
     config.train.precision = setup.precision
     model_config = load_model_config(config.model)

@@ -17,10 +17,12 @@ bf16 (lora.base_dtype), while the adapters stay fp32; FSDP2 shards both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -120,9 +122,12 @@ class LoraLinear(nn.Linear):
     dropout: float
     dropout_seed: int
     dropout_calls: int
+    bypassed = False  # adapters_bypassed(): the base Linear alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = F.linear(x, self.weight, self.bias)
+        if self.bypassed:
+            return result
         lora_x = self._dropout(x.to(self.lora_A.weight.dtype)) if self.dropout > 0 else x
         return result + F.linear(F.linear(lora_x, self.lora_A.weight), self.lora_B.weight) * self.scaling
 
@@ -150,6 +155,20 @@ class LoraLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r={self.lora_A.out_features}, scaling={self.scaling}"
+
+
+@contextlib.contextmanager
+def adapters_bypassed(model: nn.Module) -> Iterator[None]:
+    """The base model alone while inside: every adapter skipped, no dropout mask drawn (dtrain.dpo's
+    dpo.reference=adapters_off: the reference without a second model)."""
+    adapted = [module for module in model.modules() if isinstance(module, LoraLinear)]
+    for module in adapted:
+        module.bypassed = True
+    try:
+        yield
+    finally:
+        for module in adapted:
+            module.bypassed = False
 
 
 def adapter_placements(weight: torch.Tensor) -> tuple[list, list] | None:

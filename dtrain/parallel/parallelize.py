@@ -77,10 +77,13 @@ def parallelize(
     precision: str,
     lora_settings: LoraConfig | None = None,
     seed: int = 0,
+    frozen: bool = False,
 ) -> nn.Module:
     """Shard a meta-device HF causal LM over the mesh, in place. Returns the same model.
     `lora_settings` (resolved: lora.resolve) with r > 0: a frozen base with adapters (dtrain/parallel/
-    lora.py); `seed` keys their dropout masks, per data shard (dp and cp rank)."""
+    lora.py); `seed` keys their dropout masks, per data shard (dp and cp rank). `frozen`: a model
+    that only runs forwards (dtrain.dpo's live reference): no gradients, its weights in the compute
+    dtype (bf16 runs: half the bytes of fp32 master weights)."""
     layers = decoder_layers(model)
     experts.shard_experts(model, parallel)  # over ep, and replicated over tp: before TP's coverage check
     if parallel.tp_size > 1:
@@ -94,6 +97,9 @@ def parallelize(
         lora.apply_lora(model, layers, lora_settings, dtype, seed * 65_537 + shard)
         if lora_settings.base_dtype == "nf4":  # QLoRA: the adapted weights stored as NF4
             qlora.quantize_base(model, parallel.shape.dp_shard * parallel.shape.cp)
+    if frozen:
+        model.requires_grad_(False)
+        model.to(lora.DTYPES[precision])  # swaps DTensor parameters in place: tied weights stay tied
     apply_activation_checkpointing(layers, settings.activation_checkpointing)
     if settings.compile:
         apply_compile(layers)
@@ -164,6 +170,14 @@ def apply_fsdp(
                 module.set_force_sum_reduction_for_comms(True)
     if settings.fsdp_prefetch > 0:
         set_prefetch(layers, settings.fsdp_prefetch)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered parameter. FSDP keeps the root gathered after a forward without backward,
+    its module's parameters swapped for the unsharded ones (not the optimizer's)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def reshards(mode: str, index: int, num_layers: int) -> bool:
