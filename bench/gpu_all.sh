@@ -29,12 +29,22 @@
 #      scope, micro_step), packed rows of 2048 tokens, 10 steps; metrics.jsonl gives tokens/s, MFU
 #      (FLOPs of the top-8 experts a token uses) and peak memory. The dry run: 2 gloo processes,
 #      ep = 2, the same experiment shrunk to a tiny width, 2 steps.
+#    - qlora: `+experiment=llama3_70b_qlora_tp2` (issue 44) on one GPU, at tp=1 and with 2 of
+#      Llama-3-70B's 80 decoder layers: its widths (hidden 8192, MLP 28672) in NF4, quantized from a
+#      random init on the GPU, dequantized after each all-gather; packed rows at 2048 tokens, 10
+#      steps. Its metrics.jsonl gives a 70B-shaped layer's step time, MFU and peak memory, to set next
+#      to the plan (docs/lora.md). The dry run: the tiny Llama with lora.base_dtype=nf4, 2 steps.
+#    - dpo: a `torchrun --nproc_per_node=1 -m dtrain.dpo +experiment=llama3_8b_dpo_lora` of 10 steps
+#      (issue 41): Llama-3-8B's shape, random init, LoRA r=16 on a bf16 base, the reference the same
+#      model with its adapters bypassed, 32 shipped pairs a micro-batch packed into rows of 1024; its
+#      metrics.jsonl gives tokens/s, MFU, peak memory and the rewards. The dry run trains the
+#      embedded DPO default with lora.r=16 for 2 steps instead.
 # 3. A short table: each check's status, seconds and figures file ($OUT/summary.txt too).
 #
 # Exit status: 0 when every check passed, 1 otherwise. Per-check limits (seconds) come from
-# T_ESTIMATE, T_SFT, T_LORA, T_TESTS, T_MOE and T_GPU_CHECK; on the GPU the defaults sum to 9.5
-# minutes, under one device command; the dry run allows each 5 minutes (a shared CPU is slow, and it
-# times nothing).
+# T_ESTIMATE, T_SFT, T_LORA, T_QLORA, T_DPO, T_TESTS, T_MOE and T_GPU_CHECK; on the GPU the defaults
+# sum to 9.5 minutes, under one device command (a check cut at its limit is marked, and the others
+# still run); the dry run allows each 5 minutes (a shared CPU is slow, and it times nothing).
 set -uo pipefail
 
 # One function, parsed whole before it runs: editing this file during a run cannot break that run.
@@ -76,9 +86,11 @@ main() {
     echo "dry run: dtrain is already installed in this environment; no pip install"
     DRY_FLAG=(--dry-run)
     SFT_STEPS=2
-    : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_LORA:=300}" "${T_TESTS:=300}" "${T_MOE:=300}"
-    : "${T_GPU_CHECK:=300}"
+    : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_LORA:=300}" "${T_QLORA:=300}" "${T_DPO:=300}" "${T_TESTS:=300}"
+    : "${T_MOE:=300}" "${T_GPU_CHECK:=300}"
     LORA_RUN=(lora.r=16 train.max_steps=2 parallel.tp=1 train.precision=bf16)
+    QLORA_RUN=(lora.r=16 lora.base_dtype=nf4 train.max_steps=2 parallel.tp=1 train.precision=bf16)
+    DPO_RUN=(lora.r=16 train.max_steps=2 parallel.tp=1 train.precision=bf16)
     MOE_PROCS=2
     MOE_SHAPE=(model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft data.max_samples=64 data.max_len=64 train.max_steps=2
       train.global_batch_size=4 +model.config.vocab_size=1024 +model.config.hidden_size=64
@@ -104,15 +116,21 @@ main() {
     MOE_PROCS="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')"
     MOE_SHAPE=(model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft data.packing=true data.max_len=2048
       train.max_steps=10 "train.global_batch_size=$((8 * MOE_PROCS))" +model.config.num_hidden_layers=4)
+    QLORA_RUN=(+experiment=llama3_70b_qlora_tp2 parallel.tp=1 +model.config.num_hidden_layers=2 model.init=random
+      model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft data.packing=true data.max_len=2048
+      train.max_steps=10 train.global_batch_size=8)
+    DPO_RUN=(+experiment=llama3_8b_dpo_lora model.init=random model.tokenizer=dtrain/assets/tiny_llama
+      data=tiny_dpo data.packing=true data.max_len=1024 train.max_steps=10 train.global_batch_size=64
+      train.micro_batch_size=32)
   fi
   # the architecture dtrain ships (a local folder: nothing is downloaded), random init
   MOE_RUN=(+experiment=qwen3_moe_30b_a3b_ep8 model.name_or_path=dtrain/assets/architectures/Qwen/Qwen3-30B-A3B
     model.init=random "parallel.ep=$MOE_PROCS" +model.config.output_router_logits=true "${MOE_SHAPE[@]}")
 
-  check estimate "${T_ESTIMATE:-90}" "$OUT/estimate.json" \
+  check estimate "${T_ESTIMATE:-60}" "$OUT/estimate.json" \
     "$PYTHON" bench/gpu_estimate_check.py "${DRY_FLAG[@]}" --json "$OUT/estimate.json"
 
-  check sft "${T_SFT:-90}" "$OUT/sft/metrics.jsonl" \
+  check sft "${T_SFT:-75}" "$OUT/sft/metrics.jsonl" \
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.sft \
     "train.max_steps=$SFT_STEPS" parallel.tp=1 train.precision=bf16 checkpoint.save_final=false \
     "hydra.run.dir=$OUT/sft"
@@ -121,20 +139,28 @@ main() {
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.sft \
     "${LORA_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/lora"
 
+  check qlora "${T_QLORA:-60}" "$OUT/qlora/metrics.jsonl" \
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.sft \
+    "${QLORA_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/qlora"
+
+  check dpo "${T_DPO:-60}" "$OUT/dpo/metrics.jsonl" \
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.dpo \
+    "${DPO_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/dpo"
+
   CUDA_ONLY='skipif(not torch.cuda.is_available(), reason="needs a GPU")'
   mapfile -t CUDA_TESTS < <(grep -lF "$CUDA_ONLY" tests/test_*.py 2>/dev/null)
   if [ "${#CUDA_TESTS[@]}" -gt 0 ]; then
-    check cuda_tests "${T_TESTS:-60}" "$OUT/cuda_tests.log" \
+    check cuda_tests "${T_TESTS:-30}" "$OUT/cuda_tests.log" \
       "$PYTHON" -m pytest -p no:cacheprovider -q -rs "${CUDA_TESTS[@]}"
   else
     ROWS+=("$(printf '%-12s %-10s %6ss  %s' cuda_tests "none" 0 "no test file holds $CUDA_ONLY")")
   fi
 
-  check moe "${T_MOE:-75}" "$OUT/moe/metrics.jsonl" \
+  check moe "${T_MOE:-60}" "$OUT/moe/metrics.jsonl" \
     "$PYTHON" -m torch.distributed.run --standalone "--nproc_per_node=$MOE_PROCS" -m dtrain.sft \
     "${MOE_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/moe"
 
-  check gpu_check "${T_GPU_CHECK:-195}" "$OUT/gpu_check.json" \
+  check gpu_check "${T_GPU_CHECK:-165}" "$OUT/gpu_check.json" \
     "$PYTHON" bench/gpu_check.py "${DRY_FLAG[@]}" --json "$OUT/gpu_check.json"
 
   {

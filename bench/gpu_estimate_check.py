@@ -31,9 +31,11 @@ from dtrain.distributed import build_parallel, init_distributed, shutdown  # noq
 from dtrain.estimate.app import compose  # noqa: E402
 from dtrain.estimate.measure import step_inputs, track_step, tracked_micro_batches  # noqa: E402
 from dtrain.estimate.planner import plan  # noqa: E402
+from dtrain.loss import LossSettings  # noqa: E402
 from dtrain.model import build_model, load_model_config  # noqa: E402
+from dtrain.objective import TokenLoss  # noqa: E402
 from dtrain.optim import build_optimizer  # noqa: E402
-from dtrain.step import micro_step, optimizer_step  # noqa: E402
+from dtrain.step import optimizer_step  # noqa: E402
 
 GIB = 2**30
 TOLERANCE = 0.10  # issue 33: the planned peak within 10 % of the measured one
@@ -63,19 +65,21 @@ def real_step_peak(config: PlanConfig) -> tuple[int | None, int]:
     try:
         model_config = load_model_config(config.model, offline=True)
         shape = check_config(config, 1, model_config, files=False)
-        model = build_model(model_config, config, build_parallel(shape, device), device)
+        parallel = build_parallel(shape, device)
+        model = build_model(model_config, config, parallel, device)
         model.train()
         optimizer = build_optimizer(model, config.optim)
         params = list(model.parameters())
         train, max_norm = config.train, config.optim.max_grad_norm
-        impl, chunk = config.parallel.loss_impl, config.parallel.loss_chunk  # the planner's loss
         accumulation = train.global_batch_size // train.micro_batch_size
         micro_batches = step_inputs(train.micro_batch_size, config.data.max_len, accumulation, device)
-        tokens = torch.tensor(float(train.global_batch_size * config.data.max_len), device=device)
+        objective = TokenLoss(model, parallel, LossSettings.of(config.parallel))  # the planner's loss
+        tracked = micro_batches[: tracked_micro_batches(accumulation)]
 
         def step() -> None:
-            for micro_batch in micro_batches[: tracked_micro_batches(accumulation)]:
-                micro_step(model, micro_batch, tokens, config.parallel.loss_parallel, impl, chunk)
+            objective.begin_step(tracked)
+            for micro_batch in tracked:
+                objective.micro_step(micro_batch)
             optimizer_step(optimizer, params, max_norm)
 
         step()  # warm-up: AdamW's states, cuBLAS handles
@@ -86,18 +90,8 @@ def real_step_peak(config: PlanConfig) -> tuple[int | None, int]:
             step()
             torch.cuda.synchronize()
             cuda_peak = torch.cuda.max_memory_allocated()
-        tracked = track_step(
-            model,
-            optimizer,
-            micro_batches,
-            tokens,
-            config.parallel.loss_parallel,
-            max_norm,
-            run=tracked_micro_batches(accumulation),
-            loss_impl=impl,
-            loss_chunk=chunk,
-        )
-        return cuda_peak, tracked.peak
+        memory = track_step(model, optimizer, micro_batches, objective, max_norm, len(tracked))
+        return cuda_peak, memory.peak
     finally:
         shutdown()
 

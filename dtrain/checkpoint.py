@@ -4,6 +4,9 @@ in parallel under mesh-independent names, so a run resumes exactly on the same m
 A checkpoint folder is `step-XXXXXXXX/`. It is written as `.step-XXXXXXXX.partial/`, marked
 complete (`complete.json`) and renamed only after every rank finished writing: a crash mid-save
 leaves at most a partial folder, never a "latest" that cannot load, and the older ones untouched.
+A complete checkpoint that cannot be read later (a file truncated or overwritten on disk) is set
+aside as `unreadable-step-XXXXXXXX/` when a run resumes, and the run resumes from the newest one
+that loads (`resume`).
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ import errno
 import json
 import logging
 import os
+import pickle
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,10 +33,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from dtrain.config import RUN_IDENTITY, CheckpointConfig, ConfigError
 from dtrain.faults import Faults
+from dtrain.reliability import agreed_error
 
 log = logging.getLogger("dtrain")
+T = TypeVar("T")
 
 COMPLETE = "complete.json"
+UNREADABLE = "unreadable-"  # the prefix of a checkpoint set aside because it cannot be read
 # Frozen parameters (a LoRA run's base) are not saved, so loading skips them too (strict=False:
 # check_compatible has already matched every saved tensor to the model).
 TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
@@ -40,7 +47,16 @@ PREFIX = "step-"
 
 
 class CheckpointError(RuntimeError):
-    """A save that did not complete; the previous checkpoints are untouched."""
+    """A save that did not complete (the previous checkpoints are untouched), or no checkpoint to
+    resume from can be read."""
+
+
+class UnreadableCheckpoint(RuntimeError):
+    """A complete checkpoint whose files cannot be read, raised on every rank alike."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
 
 
 @dataclass
@@ -80,7 +96,14 @@ def find_resume_path(settings: CheckpointConfig, directory: Path) -> Path | None
     for path in sorted(directory.glob(f"{PREFIX}*")):
         if path.is_dir() and not is_complete(path):
             log.warning(f"skipping incomplete checkpoint {path} (no {COMPLETE})")
-    return newest_complete(directory)
+    newest = newest_complete(directory)
+    set_aside = sorted(path.name for path in directory.glob(f"{UNREADABLE}{PREFIX}*"))
+    if newest is None and set_aside:  # not a silent start from scratch in a run that has trained
+        raise ConfigError(
+            f"{directory}: no checkpoint to resume from, only unreadable ones set aside "
+            f"({', '.join(set_aside)}); checkpoint.resume=never starts over"
+        )
+    return newest
 
 
 def complete_checkpoints(directory: Path) -> list[Path]:
@@ -99,9 +122,78 @@ def saved_step(path: Path) -> int:
 
 
 def remove_checkpoints(directory: Path) -> None:
-    """Every checkpoint in directory, complete or partial (checkpoint.resume=never starts over)."""
-    for path in [*directory.glob(f"{PREFIX}*"), *directory.glob(f".{PREFIX}*.partial")]:
+    """Every checkpoint in directory, complete, partial or set aside as unreadable
+    (checkpoint.resume=never starts over)."""
+    patterns = (f"{PREFIX}*", f".{PREFIX}*.partial", f"{UNREADABLE}{PREFIX}*")
+    for path in [path for pattern in patterns for path in directory.glob(pattern)]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def unreadable(path: Path) -> str | None:
+    """Why a complete checkpoint's marker or DCP metadata cannot be read, or None. Reading its
+    tensors is load's (dcp.load checks every byte it reads)."""
+    try:
+        saved_step(path)
+        dcp.FileSystemReader(str(path)).read_metadata()
+    except (OSError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def resume(
+    settings: CheckpointConfig,
+    directory: Path,
+    chosen: Path | None,
+    announce: Callable[[Path | None], None],
+    attempt: Callable[[Path | None], T],
+) -> T:
+    """`attempt(checkpoint)` (a run resuming from it) from `chosen` (rank 0's find_resume_path, which
+    every rank uses), `announce`d once. A checkpoint that cannot be read on any rank (all ranks check
+    together) is set aside by rank 0 as `unreadable-step-XXXXXXXX` (renamed, never deleted), said in
+    one line, and the newest complete checkpoint left is tried next; an explicit checkpoint.resume
+    path, or none left, is a CheckpointError."""
+    path = _rank0s((chosen,))[0]
+    announced = False
+    while True:
+        reason = agreed_error(unreadable(path)) if path is not None else None
+        if reason is None:
+            if not announced:
+                announce(path)
+                announced = True
+            try:
+                return attempt(path)
+            except UnreadableCheckpoint as error:
+                reason = error.reason
+        assert path is not None
+        if settings.resume != "auto":
+            raise CheckpointError(f"checkpoint.resume={settings.resume!r} cannot be read ({reason})")
+        aside, path = _rank0s(_set_aside(path, directory) if dist.get_rank() == 0 else (None, None))
+        if path is None:
+            raise CheckpointError(
+                f"no checkpoint in {directory} can be read: the last one tried failed ({reason}) and is "
+                f"set aside as {aside}; checkpoint.resume=never starts over"
+            )
+        log.warning(f"checkpoint {aside} cannot be read ({reason}): set aside; resuming from {path} instead")
+
+
+def _set_aside(path: Path, directory: Path) -> tuple[Path, Path | None]:
+    """Rename an unreadable checkpoint out of the way (`unreadable-` before its name; a number after
+    it if the same step failed before); the newest complete checkpoint left."""
+    aside = path.with_name(f"{UNREADABLE}{path.name}")
+    number = 1
+    while aside.exists():
+        number += 1
+        aside = path.with_name(f"{UNREADABLE}{path.name}-{number}")
+    os.rename(path, aside)
+    return aside, newest_complete(directory)
+
+
+def _rank0s(values: tuple) -> tuple:
+    """Rank 0's values on every rank (the ranks list the same folder, but a shared filesystem may
+    show a rename late)."""
+    shared = list(values)
+    dist.broadcast_object_list(shared, src=0)
+    return tuple(shared)
 
 
 def saved_config(path: Path) -> dict[str, Any]:
@@ -132,7 +224,8 @@ def other_run_in(run_dir: Path, directory: Path, resolved: dict[str, Any]) -> st
         )
     newest = newest_complete(directory) if directory.is_dir() else None
     if newest is not None:
-        previous.append((newest, saved_config(newest)))
+        with contextlib.suppress(OSError, ValueError, KeyError):  # unreadable: resume sets it aside
+            previous.append((newest, saved_config(newest)))
     for source, config in previous:
         theirs = _identity(config)
         for key in RUN_IDENTITY:
@@ -178,7 +271,15 @@ def load(
     """Restore everything in place, resharding to this run's mesh."""
     state = training_state(model, optimizer, scheduler, data, Progress())
     check_compatible(path, state["model"])
-    dcp.load(state, checkpoint_id=str(path))
+    error = None
+    try:  # DCP raises the first failing rank's error on every rank; agreed again to be sure
+        dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as caught:
+        cause = root_cause(caught)
+        error = f"{type(cause).__name__}: {str(cause).split('. ')[0]}"  # torch's advice is long
+    error = agreed_error(error)
+    if error:
+        raise UnreadableCheckpoint(path, error)
     set_state_dict(
         model,
         optimizer,
@@ -224,7 +325,8 @@ class Checkpointer:
         self.resolved_config = resolved_config
         self.is_rank0 = dist.get_rank() == 0
         self.in_flight: _Save | None = None
-        self.last_save = time.monotonic()  # every_minutes counts from the start and from each save
+        self.clock = faults.clock if faults else time.monotonic  # the tests' clock, or the wall clock
+        self.last_save = self.clock()  # every_minutes counts from the start and from each save
         # The background writer's collectives must not share a group with training's.
         self.async_group = dist.new_group(backend="gloo") if settings.async_save else None
 
@@ -236,7 +338,7 @@ class Checkpointer:
     def due_by_time(self) -> bool:
         """Whether every_minutes passed since the last save (asked on rank 0 only: StepGuard agrees)."""
         minutes = self.settings.every_minutes
-        return minutes > 0 and time.monotonic() - self.last_save >= 60 * minutes
+        return minutes > 0 and self.clock() - self.last_save >= 60 * minutes
 
     def save(
         self,
@@ -247,7 +349,7 @@ class Checkpointer:
         progress: Progress,
     ) -> None:
         self.wait()
-        self.last_save = time.monotonic()
+        self.last_save = self.clock()
         name = f"{PREFIX}{progress.step:08d}"
         partial = self.directory / f".{name}.partial"
         save = _Save(progress, partial, self.directory / name, time.perf_counter())

@@ -6,10 +6,12 @@ instead of hanging a collective."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any
 
+from dtrain import dpo_loss
 from dtrain.config import (
     Config,
     ConfigError,
@@ -36,6 +38,7 @@ OVERLONG = ("truncate", "drop")
 LOSS_IMPLS = ("auto", "dense", "chunked", "fused")
 MODEL_INITS = ("auto", "pretrained", "random")
 AUX_SCOPES = ("micro_step", "global_batch")
+REFERENCES = ("auto", "precompute", "live", "adapters_off")
 # What marks data.path as meant to be local (so a typo is "no such file", not a failed hub lookup).
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 
@@ -157,6 +160,7 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
             f"train.micro_batch_size={train.micro_batch_size} × dp={shape.dp} (= {per_step})"
         )
     check_data(data, train, files=files)
+    check_preference(config)
     check_sequence_split(data.max_len, shape, parallel.sequence_parallel)
     if config.checkpoint.every < 0:
         raise ConfigError(f"checkpoint.every={config.checkpoint.every}: must be >= 0 (0: final save only)")
@@ -170,6 +174,7 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     if parallel.loss_impl == "auto":  # resolved here, so config.yaml and the planner see what runs
         parallel.loss_impl = auto_loss_impl(model_config)
     check_loss_support(model_config, parallel.loss_impl)
+    check_lora_off(config.lora)
     if lora.enabled(config.lora):
         check_lora(config.lora, model_config, train.precision)
     if parallel.loss_impl in ("chunked", "fused") and parallel.loss_chunk < 1:
@@ -183,6 +188,47 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
         if value is not None and value % shape.tp:
             raise ConfigError(f"model {key}={value} is not divisible by parallel.tp={shape.tp}")
     return shape
+
+
+def check_preference(config: Config) -> None:
+    """Preference pairs (data.format=preference) train with dtrain.dpo (whose schema has the `dpo`
+    group), never mixed with other formats; dpo.*'s values, and dpo.reference=auto resolved."""
+    kinds = {source.format == "preference" for source in config.data.sources()}
+    if len(kinds) > 1:
+        raise ConfigError("data.mix: preference pairs (format=preference) cannot be mixed with other formats")
+    if kinds != {True}:
+        return
+    settings = getattr(config, "dpo", None)
+    if settings is None:
+        raise ConfigError(
+            "data.format=preference: preference pairs train with dtrain.dpo (torchrun ... -m dtrain.dpo)"
+        )
+    names = [settings.loss_type] if isinstance(settings.loss_type, str) else list(settings.loss_type)
+    if not names:
+        raise ConfigError("dpo.loss_type=[]: name at least one loss")
+    for name in names:
+        _one_of("dpo.loss_type", name, tuple(dpo_loss.LOSSES))
+    if settings.loss_weights is not None and len(settings.loss_weights) != len(names):
+        raise ConfigError(
+            f"dpo.loss_weights={list(settings.loss_weights)}: one weight per dpo.loss_type ({len(names)})"
+        )
+    if not settings.beta > 0:
+        raise ConfigError(f"dpo.beta={settings.beta}: must be > 0")
+    if not 0.0 <= settings.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing={settings.label_smoothing}: must be in [0, 0.5)")
+    if settings.sft_weight < 0:
+        raise ConfigError(f"dpo.sft_weight={settings.sft_weight}: must be >= 0")
+    _one_of("dpo.reference", settings.reference, REFERENCES)
+    adapters = lora.enabled(config.lora)
+    if settings.reference == "adapters_off" and not adapters:
+        raise ConfigError("dpo.reference=adapters_off: needs LoRA adapters (lora.r > 0 or lora.adapter)")
+    if settings.reference == "auto":  # resolved here, so config.yaml says which reference ran
+        fresh = adapters and not config.lora.adapter
+        settings.reference = "adapters_off" if fresh else "precompute"
+    if config.parallel.loss_impl == "chunked":
+        raise ConfigError("parallel.loss_impl=chunked: dtrain.dpo takes dense or fused (auto picks)")
+    if config.train.eval_every:
+        raise ConfigError(f"train.eval_every={config.train.eval_every}: dtrain.dpo has no eval yet (set 0)")
 
 
 def check_sequence_split(max_len: int, shape: MeshShape, sequence_parallel: bool) -> None:
@@ -257,6 +303,23 @@ def check_expert_parallel(model_config: Any, shape: MeshShape, parallel: Paralle
         )
 
 
+def check_lora_off(settings: LoraConfig) -> None:
+    """lora.r below 0, or 0 (LoRA off, a full fine-tune) beside another lora key set: a typo would
+    otherwise train every parameter without a word."""
+    if settings.r < 0:
+        raise ConfigError(f"lora.r={settings.r}: must be >= 0 (0: LoRA off, every parameter trains)")
+    if settings.r > 0 or settings.adapter:
+        return
+    default = LoraConfig()
+    for item in dataclasses.fields(LoraConfig):
+        value = getattr(settings, item.name)
+        if value != getattr(default, item.name):
+            raise ConfigError(
+                f"lora.{item.name}={value} is set but lora.r=0 (LoRA off: every parameter trains); "
+                "set lora.r to train adapters"
+            )
+
+
 def check_lora(settings: LoraConfig, model_config: Any, precision: str) -> None:
     """lora.*: values in range, the adapter folder readable, every target module a Linear of the
     decoder layers (read off the model built on the meta device)."""
@@ -270,7 +333,7 @@ def check_lora(settings: LoraConfig, model_config: Any, precision: str) -> None:
     if not 0.0 <= settings.dropout < 1.0:
         raise ConfigError(f"lora.dropout={settings.dropout}: must be in [0, 1)")
     _one_of("lora.init", settings.init, ("default", "gaussian"))
-    _one_of("lora.base_dtype", settings.base_dtype, ("auto", "bf16", "fp32"))
+    _one_of("lora.base_dtype", settings.base_dtype, ("auto", "bf16", "fp32", "nf4"))
     if settings.base_dtype == "bf16" and precision != "bf16":
         raise ConfigError("lora.base_dtype=bf16 needs train.precision=bf16 (FSDP gathers one dtype)")
     with torch.device("meta"):

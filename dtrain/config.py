@@ -21,8 +21,9 @@ class ConfigError(ValueError):
 
 # What makes two configs the same run (its folder's name, dtrain.hydra_glue.run_name, and the check
 # that a folder holds this run, dtrain.checkpoint.other_run_in): resuming may change the mesh, the
-# step count, logging and checkpointing. LoRA is part of it: an adapter run is not a full fine-tune.
-RUN_IDENTITY = ("model", "data", "optim", "lora", "train.seed", "train.global_batch_size")
+# step count, logging and checkpointing. LoRA is part of it: an adapter run is not a full fine-tune;
+# so is DPO's loss.
+RUN_IDENTITY = ("model", "data", "optim", "lora", "dpo", "train.seed", "train.global_batch_size")
 
 
 @dataclass
@@ -55,10 +56,11 @@ class SourceConfig:
     """The first N examples of the split."""
     format: str = "prompt_response"
     """How a record reads: `prompt_response` (one user turn, one assistant turn, optional system),
-    `messages` (a list of {role, content}; loss on every assistant turn) or `text` (loss on every
-    token): the names in `FORMATS`, dtrain/data/formats.py."""
+    `messages` (a list of {role, content}; loss on every assistant turn), `text` (loss on every
+    token), or `preference` (dtrain.dpo: a prompt, a chosen and a rejected completion, TRL's formats):
+    the names in `FORMATS`, dtrain/data/formats.py."""
     input_key: str = "prompt"
-    """`prompt_response`: the record key of the prompt."""
+    """`prompt_response` and `preference`: the record key of the prompt."""
     output_key: str = "response"
     """`prompt_response`: the record key of the response."""
     system_key: str | None = None
@@ -67,6 +69,12 @@ class SourceConfig:
     """`messages`: the record key of the list of {role, content}."""
     text_key: str = "text"
     """`text`: the record key of the text."""
+    chosen_key: str = "chosen"
+    """`preference` (dtrain.dpo): the record key of the chosen completion (a string, or a list of
+    {role, content}); its prompt is `input_key`'s, or with no such column the prefix chosen and
+    rejected share (TRL's implicit prompt)."""
+    rejected_key: str = "rejected"
+    """`preference`: the record key of the rejected completion."""
 
 
 @dataclass
@@ -116,6 +124,12 @@ class DataConfig(SourceConfig):
     """A split of the same source(s) for `eval_loss` ..."""
     eval_fraction: float = 0.0
     """... or this fraction of each source held out (seeded)."""
+
+    @property
+    def preference(self) -> bool:
+        """Whether the data are preference pairs (data.format=preference, dtrain.dpo's; never mixed
+        with other formats: dtrain/checks.py)."""
+        return all(source.format == "preference" for source in self.sources())
 
     def sources(self) -> list[Source]:
         """The datasets to read: data.*'s own source, or each data.mix entry merged onto data.*'s
@@ -292,7 +306,9 @@ class LoraConfig:
     """rsLoRA: scale by alpha / sqrt(r)."""
     base_dtype: str = "auto"
     """dtype of the frozen base's weights: `auto` (train.precision's), `bf16` (2 bytes a parameter,
-    needs train.precision=bf16) or `fp32`. The adapters are fp32 always."""
+    needs train.precision=bf16), `fp32`, or `nf4` (QLoRA: every adapted weight in bitsandbytes' NF4,
+    about 0.52 bytes a parameter, dequantized for compute; the rest as `auto`; docs/lora.md). The
+    adapters are fp32 always."""
     adapter: str | None = None
     """A PEFT adapter folder to continue from: r, alpha, dropout, target modules and rsLoRA come
     from its adapter_config.json (the keys above are ignored), its weights start the adapters."""
@@ -314,6 +330,32 @@ class MoeConfig:
     """Leave the padding slots out of the aux loss and expert_load, as HF's `load_balancing_loss_func`
     does with the padding collator's attention mask; false: every slot counts (HF's model called
     without an attention mask)."""
+
+
+@dataclass
+class DPOConfig:
+    """dtrain.dpo's loss, named after TRL's DPOConfig (docs/dpo.md)."""
+
+    beta: float = 0.1
+    """β: the reward of a completion is β · (its log-probability under the policy − under the
+    reference)."""
+    loss_type: Any = "sigmoid"
+    """`sigmoid` (DPO), `ipo` (length-normalised log-ratios, squared), `hinge`, `robust` (label
+    smoothing as noise), or a list of them, weighted by loss_weights."""
+    loss_weights: list[float] | None = None
+    """One weight per loss_type entry (unset: 1 each)."""
+    label_smoothing: float = 0.0
+    """`robust`: the assumed probability that a pair's labels are flipped, in [0, 0.5) (`sigmoid`
+    ignores it, as TRL 1.16 does)."""
+    reference: str = "auto"
+    """The reference policy's log-probabilities: `precompute` (the policy's before the first step,
+    over every pair once, kept in the run folder: no reference model in memory); `live` (a frozen copy
+    of the starting policy, sharded like it, run beside it each step); `adapters_off` (LoRA: the same
+    model with its adapters bypassed); `auto`: adapters_off for LoRA from fresh adapters, else
+    precompute."""
+    sft_weight: float = 0.0
+    """RPO: this weight times the NLL of the chosen completions (token mean over the step's chosen
+    tokens) added to the loss (TRL's `sft` loss type); 0: none."""
 
 
 @dataclass
@@ -362,8 +404,16 @@ class Config:
 
 
 @dataclass
+class PreferenceConfig(Config):
+    """dtrain.dpo's schema: a training config plus the `dpo` group."""
+
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """The preference loss and its reference (docs/dpo.md)."""
+
+
+@dataclass
 class EstimateConfig:
-    """`python -m dtrain.estimate` only (dtrain.sft rejects these keys)."""
+    """`python -m dtrain.estimate` only (dtrain.sft and dtrain.dpo reject these keys)."""
 
     world_size: int = MISSING
     """The ranks (GPUs) to plan for; required, nothing sensible to guess. `parallel.dp_shard=-1` takes
@@ -379,8 +429,9 @@ class EstimateConfig:
 
 
 @dataclass
-class PlanConfig(Config):
-    """The estimator's schema: a training config plus the `estimate` group."""
+class PlanConfig(PreferenceConfig):
+    """The estimator's schema: a training config (dtrain.sft's or dtrain.dpo's: preference data
+    plans a DPO step) plus the `estimate` group."""
 
     estimate: EstimateConfig = field(default_factory=EstimateConfig)
     """The planner's own settings (docs/estimate.md)."""

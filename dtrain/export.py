@@ -152,8 +152,9 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str, merged: bool = Fa
     device = init_distributed(config.parallel.timeout_s)
     world = dist.get_world_size()
     parallel = build_parallel(MeshShape(1, world, 1, 1), device)
-    config.parallel.tp, config.parallel.dp_shard, config.train.precision = 1, world, "fp32"
-    config.lora.base_dtype = "fp32"
+    config.parallel.tp, config.parallel.dp_shard = 1, world
+    if config.lora.base_dtype != "nf4":  # QLoRA: the NF4 base the run trained on, quantized alike
+        config.train.precision, config.lora.base_dtype = "fp32", "fp32"
     model = build_model(
         model_config, config, parallel, None, vocab.saved_vocab_rows(checkpoint)
     )  # padded as saved

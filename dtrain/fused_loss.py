@@ -103,9 +103,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, local_len, chunk):
             stop = min(start + chunk, local_len)
-            rows = hidden[:, start:stop].reshape(-1, width)
-            if layout.sequence_sharded:  # every tp rank's chunk, rank-major (as the targets below)
-                rows = _wait(funcol.all_gather_single(rows.contiguous(), 0, layout.group))
+            rows = _chunk_rows(hidden, start, stop, layout)  # rank-major under SP, as the targets
             targets = chunk_targets(labels, layout, local_len, start, stop)
             loss, grad_logits = _chunk_loss(rows, head, targets, layout, grads)
             total += loss
@@ -131,6 +129,96 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+def fused_token_logps(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, vocab_size: int
+) -> torch.Tensor:
+    """Per-token log-probabilities of `labels` under lm_head(hidden), [batch, seq] fp32 over the whole
+    (unsharded) sequence, 0 where labels is IGNORE, the same on every tp rank (dtrain.dpo: a
+    sequence's log-probability is a sum of them). Forward, per chunk: the head matmul, the row max
+    and Σ exp all-reduced over tp and the target's logit from the rank that owns it, as in
+    fused_linear_cross_entropy; each row's log-sum-exp is kept. Its gradient is a per-token upstream
+    gradient g known only after the whole forward (it depends on the sequence sums), so backward
+    recomputes each chunk's logits (one more head matmul: with the two of the gradients, 4 head
+    matmuls a token where the fused loss has 3; about 2·hidden·vocab FLOPs a token, some 2 % of a
+    Llama-3-8B step) and forms g · (one-hot − softmax) in that chunk's buffer."""
+    layout = head_layout(hidden, weight, vocab_size)
+    local_hidden = hidden.to_local() if isinstance(hidden, DTensor) else hidden
+    local_weight = weight.to_local() if isinstance(weight, DTensor) else weight
+    return _FusedTokenLogProbs.apply(local_hidden, local_weight, labels, layout, chunk)
+
+
+class _FusedTokenLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, layout: Layout, chunk: int):  # noqa: ANN001, ANN205
+        local_len = hidden.shape[1]
+        head = weight[: layout.real_rows]
+        logps = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
+        log_sums = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
+        for start in range(0, local_len, chunk):
+            stop = min(start + chunk, local_len)
+            targets = chunk_targets(labels, layout, local_len, start, stop)
+            logits = _mm_fp32(_chunk_rows(hidden, start, stop, layout), head.T)
+            owned, index = _owned(targets, layout)
+            target_logit = logits.gather(1, index).squeeze(1) * owned
+            row_max = _all_reduce(logits.amax(1), "max", layout)
+            exp_sum = logits.sub_(row_max.unsqueeze(1)).exp_().sum(1)
+            sums, target_logit = _all_reduce(torch.stack([exp_sum, target_logit]), "sum", layout)
+            log_sum = sums.log() + row_max
+            logp = torch.where(targets != IGNORE, target_logit - log_sum, 0.0)
+            for full, values in ((logps, logp), (log_sums, log_sum)):
+                _chunk_view(full, layout, local_len, start, stop).copy_(_chunk_shape(values, labels, layout))
+        ctx.save_for_backward(hidden, weight, labels, log_sums)
+        ctx.layout, ctx.chunk = layout, chunk
+        return logps
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logps):  # noqa: ANN001, ANN205
+        hidden, weight, labels, log_sums = ctx.saved_tensors
+        layout, (batch, local_len, width) = ctx.layout, hidden.shape
+        head = weight[: layout.real_rows]
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, local_len, ctx.chunk):
+            stop = min(start + ctx.chunk, local_len)
+            rows = _chunk_rows(hidden, start, stop, layout)
+            targets = chunk_targets(labels, layout, local_len, start, stop)
+            upstream = chunk_targets(grad_logps, layout, local_len, start, stop) * (targets != IGNORE)
+            log_sum = chunk_targets(log_sums, layout, local_len, start, stop)
+            # d logp / d logits = one-hot − softmax: the recomputed logits become −g·softmax, + g at targets
+            grad_logits = _mm_fp32(rows, head.T).sub_(log_sum.unsqueeze(1)).exp_()
+            grad_logits.mul_(-upstream.unsqueeze(1))
+            owned, index = _owned(targets, layout)
+            grad_logits.scatter_add_(1, index, (upstream * owned).unsqueeze(1))
+            low = grad_logits.to(head.dtype)
+            if ctx.needs_input_grad[1]:  # a frozen head (LoRA) takes none
+                _addmm_fp32_(grad_weight[: layout.real_rows], low.T, rows)
+            grad_rows = _reduce_rows(_mm_fp32(low, head), layout)
+            grad_hidden[:, start:stop] = grad_rows.view(batch, stop - start, width)
+        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None
+
+
+def _chunk_rows(hidden: torch.Tensor, start: int, stop: int, layout: Layout) -> torch.Tensor:
+    """The chunk's hidden rows, flattened; under sequence parallel every tp rank's, rank-major."""
+    rows = hidden[:, start:stop].reshape(-1, hidden.shape[2])
+    if layout.sequence_sharded:
+        rows = _wait(funcol.all_gather_single(rows.contiguous(), 0, layout.group))
+    return rows
+
+
+def _chunk_view(full: torch.Tensor, layout: Layout, local_len: int, start: int, stop: int) -> torch.Tensor:
+    """The positions of `full` ([batch, seq]) that chunk_targets flattens, as a [batch, tp, chunk] view."""
+    tp = layout.tp if layout.sequence_sharded else 1
+    return full.view(full.shape[0], tp, local_len)[:, :, start:stop]
+
+
+def _chunk_shape(values: torch.Tensor, labels: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A chunk's per-row values (chunk_targets' order) as [batch, tp, chunk], _chunk_view's shape."""
+    tp = layout.tp if layout.sequence_sharded else 1
+    return values.view(tp, labels.shape[0], -1).transpose(0, 1)
+
+
 def chunk_targets(
     labels: torch.Tensor, layout: Layout, local_len: int, start: int, stop: int
 ) -> torch.Tensor:
@@ -148,9 +236,7 @@ def _chunk_loss(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunk's summed loss and (grads) d loss / d logits, in the logits' own buffer."""
     logits = _mm_fp32(rows, head.T)  # (rows, real vocabulary rows of this rank), fp32
-    local = targets - layout.vocab_start
-    owned = (local >= 0) & (local < layout.real_rows)  # IGNORE (< 0) is never owned
-    index = local.clamp(0, layout.real_rows - 1).unsqueeze(1)
+    owned, index = _owned(targets, layout)
     target_logit = logits.gather(1, index).squeeze(1) * owned
     row_max = _all_reduce(logits.amax(1), "max", layout)
     logits.sub_(row_max.unsqueeze(1)).exp_()
@@ -162,6 +248,14 @@ def _chunk_loss(
     logits.mul_((supervised / sums).unsqueeze(1))  # softmax on supervised rows, 0 on ignored ones
     logits.scatter_add_(1, index, -(owned & supervised).to(logits.dtype).unsqueeze(1))  # − one-hot
     return loss, logits
+
+
+def _owned(targets: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which targets fall in this rank's vocabulary shard (IGNORE, < 0, never does), and each one's
+    column there (clamped: a safe index for the others), [rows, 1]."""
+    local = targets - layout.vocab_start
+    owned = (local >= 0) & (local < layout.real_rows)
+    return owned, local.clamp(0, layout.real_rows - 1).unsqueeze(1)
 
 
 def _all_reduce(tensor: torch.Tensor, op: str, layout: Layout) -> torch.Tensor:

@@ -1,17 +1,19 @@
-"""What the Hydra entry points (dtrain.sft, dtrain.estimate) share: the schema registered as
+"""What the Hydra entry points (dtrain.sft, dtrain.dpo, dtrain.estimate) share: the schema registered as
 `dtrain_schema` (which conf/config.yaml names), the resolvers conf/ uses, and how a bad config ends.
 
-Each entry point registers its own schema: dtrain.sft the training `Config`, dtrain.estimate
-`PlanConfig` (the same plus the `estimate` group), so each rejects the other's keys.
+Each entry point registers its own schema: dtrain.sft the training `Config`, dtrain.dpo
+`PreferenceConfig` (the same plus the `dpo` group), dtrain.estimate `PlanConfig` (that plus the
+`estimate` group), so each rejects the keys it does not take.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import hashlib
 import logging
 import os
 import re
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -23,8 +25,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from dtrain.config import RUN_IDENTITY, Config
+from dtrain.config import RUN_IDENTITY, Config, ConfigError
 from dtrain.distributed import rank_from_env
+from dtrain.reliability import write_exit_status
 
 ASSETS = Path(__file__).parent / "assets"
 CONF = Path(__file__).parent / "conf"  # shipped inside the package; add your own with --config-dir
@@ -32,10 +35,11 @@ EXIT_CONFIG_ERROR = 2
 # The embedded default's tuned settings (conf/experiment/embedded.yaml) apply to a command line that
 # names none of these: a model, a dataset or an experiment of its own gets the schema's defaults.
 EMBEDDED = "+experiment=embedded"
+EMBEDDED_DPO = "+experiment=embedded_dpo"  # dtrain.dpo's (conf/experiment/embedded_dpo.yaml)
 _GROUPS = ("model", "data", "experiment")
 _SOURCES = ("model.name_or_path", "data.path", "data.mix")
 FAIL_GRACE_S = 5.0
-EXIT_FILE = "DTRAIN_EXIT_FILE"
+PROBE_BYTES = 1 << 16  # what a run writes before its first step (Hydra's files, config.yaml) fits
 
 
 # What names a run folder: the overrides of what is trained (RUN_IDENTITY: the model, the data, the
@@ -101,22 +105,122 @@ def output_folder(overrides: list[str]) -> Path | None:
     return Path("multirun" if sweeping else "outputs") / pinned_run_name()
 
 
-def with_embedded_defaults(overrides: list[str]) -> list[str]:
-    """`overrides` (a command line after the program name) plus EMBEDDED if they name no model, no
-    dataset and no experiment."""
+def override_keys(overrides: list[str]) -> list[str]:
+    """The keys (or groups) a command line's overrides set, in order."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
+    keys = []
     for text in overrides:
         if text.startswith("-") or "=" not in text:  # --multirun, --config-dir DIR ...
             continue
         try:
-            key = parser.parse_override(text).key_or_group
+            keys.append(parser.parse_override(text).key_or_group)
         except Exception:  # a malformed override: Hydra reports it with its own message
             continue
-        if key in _GROUPS or key.startswith(_SOURCES):
-            return overrides
-    return [*overrides, EMBEDDED]
+    return keys
+
+
+def with_embedded_defaults(overrides: list[str], embedded: str = EMBEDDED) -> list[str]:
+    """`overrides` (a command line after the program name) plus `embedded` (EMBEDDED: dtrain.sft's)
+    if they name no model, no dataset and no experiment."""
+    if any(key in _GROUPS or key.startswith(_SOURCES) for key in override_keys(overrides)):
+        return overrides
+    return [*overrides, embedded]
+
+
+def fit_embedded_default(cfg: DictConfig, world_size: int, overrides: list[str]) -> str | None:
+    """The embedded default (EMBEDDED, or dtrain.dpo's EMBEDDED_DPO, among Hydra's `overrides`) on any
+    world size: its experiment's
+    tp (2) where it divides the ranks, else 1; its global batch (32) where dp divides it, else the
+    largest multiple of dp below it; the largest micro batch up to the experiment's (16) that divides
+    each dp rank's share. Only what the command line does not set itself, in `cfg` (so config.yaml
+    holds what runs). Returns what changed, for the run's first line, or None."""
+    if EMBEDDED not in overrides and EMBEDDED_DPO not in overrides:
+        return None
+    given = set(override_keys(overrides))
+    parallel, train = cfg.parallel, cfg.train
+    shard = 1 if parallel.dp_shard == -1 else parallel.dp_shard
+    others = parallel.cp * parallel.dp_replicate * shard
+    if world_size % others:  # check_config refuses it, naming the keys
+        return None
+    changed: dict[str, int] = {}
+    if "parallel.tp" not in given and (world_size // others) % parallel.tp:
+        changed["parallel.tp"] = 1
+    tp = changed.get("parallel.tp", parallel.tp)
+    if world_size % (others * tp):
+        return None
+    dp = world_size // (tp * parallel.cp)
+    batch = train.global_batch_size
+    if "train.global_batch_size" not in given and batch % dp:
+        batch = changed["train.global_batch_size"] = max(dp, batch // dp * dp)
+    if "train.micro_batch_size" not in given and batch % dp == 0:
+        share = batch // dp
+        micro = max(m for m in range(1, min(train.micro_batch_size, share) + 1) if share % m == 0)
+        if micro != train.micro_batch_size:
+            changed["train.micro_batch_size"] = micro
+    for key, value in changed.items():
+        OmegaConf.update(cfg, key, value)
+    if not changed:
+        return None
+    settings = ", ".join(f"{key}={value}" for key, value in changed.items())
+    return f"the embedded default fitted to {world_size} rank{'s' if world_size > 1 else ''}: {settings}"
+
+
+# The folders the run folder needed that did not exist (it first): made by this command (Hydra's
+# mkdir), so removed again if it fails before training.
+_new_folders: list[Path] = []
+
+
+def check_run_folder(folder: Path | None) -> None:
+    """The run folder can be written (else Hydra fails with a traceback per rank): a probe of
+    PROBE_BYTES written where it is, or, not made yet, in the nearest folder above it (which also
+    catches a full disk). Remembers which folders this command will make (discard_new_run_folder)."""
+    _new_folders.clear()
+    if folder is None:
+        return
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:
+        _new_folders.append(existing)
+        existing = existing.parent
+    probe = existing / f".dtrain-write-test-{rank_from_env()}"
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a folder")
+        with probe.open("wb") as file:
+            file.write(bytes(PROBE_BYTES))
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as error:
+        free = ""
+        if error.errno == errno.ENOSPC:
+            free = f"; {shutil.disk_usage(existing).free / 2**20:,.1f} MiB free there"
+        raise ConfigError(
+            f"{folder}: the run folder cannot be written ({error.strerror or error}{free})"
+        ) from None
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def discard_new_run_folder() -> None:
+    """A run that fails before its first step leaves nothing behind in a run folder this command
+    made: rank 0 removes what a start writes there (Hydra's `.hydra/` and log file, `config.yaml`;
+    never metrics or checkpoints), every rank the folders it made, where empty."""
+    if not _new_folders:
+        return
+    run_dir = _new_folders[0]
+    if rank_from_env() == 0 and run_dir.is_dir():
+        names = {path.name for path in run_dir.iterdir()}
+        started = {".hydra", "config.yaml"} | {name for name in names if name.endswith(".log")}
+        if names <= started:
+            shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+            for name in names - {".hydra"}:
+                (run_dir / name).unlink(missing_ok=True)
+    for folder in _new_folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: something else is there now
+            break
 
 
 def register(schema: type[Config], default_precision: Callable[[], str]) -> None:
@@ -137,15 +241,6 @@ def fail(message: str, code: int = EXIT_CONFIG_ERROR, prefix: str = "error: ") -
     else:
         time.sleep(FAIL_GRACE_S)
     sys.exit(code)
-
-
-def write_exit_status(code: int) -> None:
-    """torchrun reports any worker's failure as exit code 1: a launcher that sets DTRAIN_EXIT_FILE
-    reads dtrain's own code (2, 3, 75 ...) there (launch/local.sh, launch/slurm.sbatch)."""
-    path = os.environ.get(EXIT_FILE)
-    if path:
-        with contextlib.suppress(OSError):
-            Path(path).write_text(f"{code}\n")
 
 
 class JobFailed(Exception):

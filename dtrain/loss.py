@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +16,24 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
+from dtrain.config import ParallelConfig
+
 # The label of a position that is not a target (prompt, padding, a document's first token):
 # cross-entropy's default ignore_index.
 IGNORE = -100
+
+
+class LossSettings(NamedTuple):
+    """How the loss is computed on the mesh (parallel.loss_parallel, loss_impl, loss_chunk), in the
+    order dtrain.step's functions take them."""
+
+    parallel: bool = True
+    impl: str = "dense"
+    chunk: int = 0
+
+    @classmethod
+    def of(cls, settings: ParallelConfig) -> LossSettings:
+        return cls(settings.loss_parallel, settings.loss_impl, settings.loss_chunk)
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:

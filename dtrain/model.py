@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor
@@ -21,7 +21,7 @@ from transformers.core_model_loading import WeightRenaming, rename_source_key
 from dtrain import attention
 from dtrain.config import Config, ConfigError, LoraConfig, ModelConfig
 from dtrain.distributed import Parallel
-from dtrain.parallel import experts, fused, lora, phi3, vocab
+from dtrain.parallel import experts, fused, lora, phi3, qlora, vocab
 from dtrain.parallel.parallelize import parallelize
 
 # Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
@@ -122,16 +122,19 @@ def build_model(
     device: torch.device | None,
     vocab_rows: int | None = None,
     attention_backend: str = "auto",
+    frozen: bool = False,
 ) -> nn.Module:
     """The one way dtrain makes a model: on the meta device, sharded over the mesh (TP, activation
     checkpointing, compile, FSDP2: parallelize), then this rank's shards allocated on `device` and
     filled as model.init says. `device=None` leaves the shards on the meta device for the caller
     to allocate (the planner, on fake tensors; export, from a checkpoint). `vocab_rows` defaults
-    to the vocabulary padded for this tp (a resumed run passes the checkpoint's)."""
+    to the vocabulary padded for this tp (a resumed run passes the checkpoint's). `frozen`: forwards
+    only, in the compute dtype (parallelize's; dtrain.dpo's live reference)."""
     rows = vocab_rows or vocab.padded_vocab_size(model_config.vocab_size, parallel.tp_size)
     model = build_meta_model(model_config, config.data.packing, rows, attention_backend)
     lora_settings = lora.resolve(config.lora)
-    parallelize(model, parallel, config.parallel, config.train.precision, lora_settings, config.train.seed)
+    precision, seed = config.train.precision, config.train.seed
+    parallelize(model, parallel, config.parallel, precision, lora_settings, seed, frozen)
     if device is not None:
         materialize(model, device, config.model, config.train.seed, lora_settings)
     return model
@@ -249,8 +252,11 @@ def tensor_files(folder: str) -> dict[str, Path]:
         raise ConfigError(f"model.name_or_path={folder!r}: no *.safetensors files to load")
     where = {}
     for file in files:
-        with safe_open(file, "pt") as reader:
-            where |= dict.fromkeys(reader.keys(), file)
+        try:
+            with safe_open(file, "pt") as reader:
+                where |= dict.fromkeys(reader.keys(), file)
+        except SafetensorError as error:  # truncated, or not safetensors at all: on every rank alike
+            raise ConfigError(f"{file}: not a readable safetensors file ({error}); copy it again") from None
     return where
 
 
@@ -275,17 +281,35 @@ def file_keys(model: nn.Module, where: dict[str, Path], state: dict[str, torch.T
 
 
 def load_hf_weights(model: nn.Module, folder: str) -> None:
-    """Each rank reads only its slices of the safetensors files (DCP's HF reader does the planning)."""
+    """Each rank reads only its slices of the safetensors files (DCP's HF reader does the planning).
+    NF4 base weights (QLoRA) are read dense a decoder layer at a time and quantized on each shard."""
     where = tensor_files(folder)
     state = hf_state_dict(model)
     # HF's files keep one tensor per expert: read by hand (transformers' converters would stack them)
     experts.load_stacked(state, where, getattr(model, CHECKPOINT_TRANSFORMS), model.base_model_prefix)
     keys = file_keys(model, where, state)
+    quantized = {name: state.pop(name) for name in qlora.nf4_parameters(model)}
+    read_shards(model, state, keys, where, folder)
+    for layer in qlora.by_layer(quantized):
+        dense = {name: qlora.dense_like(param) for name, param in layer.items()}
+        read_shards(model, dict(dense), keys, where, folder)
+        qlora.quantize_all(model, dense)
+
+
+def read_shards(
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    keys: dict[str, str],
+    where: dict[str, Path],
+    folder: str,
+) -> None:
+    """Fill `state`'s tensors (this rank's shards, by parameter name) from the files."""
     state = {keys.get(name, name): tensor for name, tensor in state.items()}
     # Padded vocabulary matrices have more rows than the files: read by hand, the rest by DCP.
     padded = {name: state.pop(name) for name in vocab.padded_params(model) if name in state}
     fused.load_parts(model, state, where)  # split fused projections: their rows of HF's tensors
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(folder))
+    if state:
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(folder))
     vocab.load_padded_rows(padded, where, model.config.vocab_size)
 
 
@@ -310,17 +334,25 @@ def init_weights(model: nn.Module, seed: int) -> None:
     std = model.config.initializer_range
     norm_value = 0.0 if model.config.model_type in ZERO_CENTRED_NORMS else 1.0
     padded = {id(p) for p in vocab.padded_params(model).values()}
-    for name, param in model.named_parameters():
-        name = canonical_name(name)
-        local = param.to_local() if isinstance(param, DTensor) else param
-        if name.endswith("norm.weight"):
-            local.fill_(norm_value)
-            continue
-        if name.endswith(".bias"):
-            local.zero_()
-            continue
+    quantized = qlora.nf4_parameters(model)
+
+    def draw(name: str, param: torch.Tensor) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         rows = model.config.vocab_size if id(param) in padded else param.shape[0]  # padded rows: zeros
         full = torch.empty(rows, *param.shape[1:]).normal_(0.0, std, generator=generator)
         full = vocab.pad_rows(full, param.shape[0]) if rows != param.shape[0] else full
-        local.copy_(full[local_slices(param)])
+        return full[local_slices(param)]
+
+    for name, param in model.named_parameters():
+        name = canonical_name(name)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if name in quantized:
+            continue
+        if name.endswith("norm.weight"):
+            local.fill_(norm_value)
+        elif name.endswith(".bias"):
+            local.zero_()
+        else:
+            local.copy_(draw(name, param))
+    for layer in qlora.by_layer(quantized):  # NF4 base weights: quantized from their draws
+        qlora.quantize_all(model, {name: draw(name, param).to(param.dtype) for name, param in layer.items()})

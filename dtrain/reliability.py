@@ -5,12 +5,15 @@ leaving the others waiting on a collective.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import math
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
@@ -27,9 +30,66 @@ T = TypeVar("T")
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the job saved its state and wants to be requeued
 EXIT_NONFINITE = 3
-# SLURM sends SIGUSR1 before its time limit; SIGINT is a Ctrl-C (torchrun forwards it to the workers).
+# SLURM sends SIGUSR1 before its time limit; SIGINT is a Ctrl-C (dtrain.launch forwards all three).
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# A scheduler's signals that arrive while a run starts (a large model loads for minutes) are held
+# until the loop begins, which then saves after its first step: the job exits 75 and is requeued
+# instead of dying of the signal. A Ctrl-C while starting stops at once (KeyboardInterrupt).
+SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_INTERRUPTED = 130  # a second Ctrl-C: 128 + SIGINT, as a shell reports it
+# torchrun reports any worker's failure as exit code 1: dtrain writes its own code (2, 3, 75 ...) to
+# the file this variable names, where the launcher reads it (dtrain.launch, the launch/ scripts).
+EXIT_FILE = "DTRAIN_EXIT_FILE"
+PR_SET_PDEATHSIG = 1  # prctl(2)
+_held_signal: int | None = None  # a scheduler's signal received before the loop's StepGuard
+
+
+def write_exit_status(code: int) -> None:
+    """Write dtrain's exit code where the launcher reads it (DTRAIN_EXIT_FILE, if set)."""
+    path = os.environ.get(EXIT_FILE)
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(f"{code}\n")
+
+
+def die_with_launcher() -> None:
+    """A worker started by torchrun (or dtrain.launch) is SIGKILLed by the kernel when its launcher
+    dies, however it dies (a SIGKILL, an OOM kill, a node's scheduler cleaning up): an orphaned worker
+    would go on training, and saving checkpoints, beside the rerun. Linux only (prctl)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    launcher = os.environ.get("DTRAIN_LAUNCHER_PID")  # set by dtrain.launch
+    if launcher and os.getppid() != int(launcher):  # it died before the request above was in place
+        os._exit(128 + signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def scheduler_signals_held() -> Iterator[None]:
+    """While a run starts (until its loop's StepGuard), hold SIGTERM and SIGUSR1 (SCHEDULER_SIGNALS);
+    the process's own handlers are back afterwards."""
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        global _held_signal
+        if _held_signal is None:
+            log.warning(f"received {signal.Signals(signum).name} while starting: saving after the first step")
+        _held_signal = signum
+
+    previous = {signum: signal.signal(signum, hold) for signum in SCHEDULER_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def agreed_error(error: str | None) -> str | None:
+    """Every rank's outcome of the same operation (None: it succeeded there): the lowest failing rank's
+    error on every rank, or None where it succeeded everywhere. One collective, so no rank is left
+    waiting in the next one while another raises."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {rank}: {text}" for rank, text in enumerate(errors) if text), None)
 
 
 class Preempted(Exception):
@@ -69,7 +129,8 @@ class StepGuard:
         # Rank 0's clock decides the wall-clock checkpoints (every rank's would differ); agreed here.
         self.save_due = save_due if dist.get_rank() == 0 else None
         self.save_now = False  # agreed by all ranks: save after this step
-        self._signalled: int | None = None
+        global _held_signal
+        self._signalled, _held_signal = _held_signal, None  # a signal held while the run started
         self._previous = {signum: signal.signal(signum, self._on_signal) for signum in PREEMPTION_SIGNALS}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -83,6 +144,7 @@ class StepGuard:
         if signum == signal.SIGINT:  # a second Ctrl-C: the user wants out now; no traceback per rank
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 print("dtrain: interrupted again: stopping without saving", file=sys.stderr, flush=True)
+                write_exit_status(EXIT_INTERRUPTED)
             os._exit(EXIT_INTERRUPTED)
 
     def close(self) -> None:

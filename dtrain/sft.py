@@ -3,7 +3,9 @@
 Every rank runs Hydra. The run folder is named after the command (dtrain.hydra_glue.run_name), so
 every rank finds the same one and rerunning the command finds it again and resumes it; only rank 0
 writes `.hydra/`, Hydra's log file and `config.yaml`. The config is checked before the process group
-exists, so a bad value fails on every rank at once with one message and exit code 2.
+exists, so a bad value fails on every rank at once with one message and exit code 2 (and leaves no
+folder behind). Then one run holds the folder (dtrain.run_lock) and resumes from the newest
+checkpoint that can be read (dtrain.checkpoint.resume).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -27,6 +30,7 @@ from dtrain.checkpoint import (
     find_resume_path,
     other_run_in,
     remove_checkpoints,
+    resume,
     saved_step,
 )
 from dtrain.checks import check_config
@@ -34,9 +38,13 @@ from dtrain.config import Config, ConfigError, to_config
 from dtrain.distributed import init_distributed, rank_from_env, shutdown, world_size_from_env
 from dtrain.hydra_glue import (
     CONF,
+    EMBEDDED,
     EXIT_CONFIG_ERROR,
     JobFailed,
+    check_run_folder,
+    discard_new_run_folder,
     fail,
+    fit_embedded_default,
     output_folder,
     pin_run_name,
     register,
@@ -50,17 +58,32 @@ from dtrain.reliability import (
     NonFiniteError,
     Preempted,
     RankFailure,
+    die_with_launcher,
+    scheduler_signals_held,
+    write_exit_status,
 )
+from dtrain.run_lock import LockHeld, check_free, holding
 from dtrain.sinks import WANDB_ID
 
 log = logging.getLogger("dtrain")
 
-# bf16 where it is fast (CUDA); fp32 on CPU, where bf16 is slow and the tests need exact numerics.
-register(Config, lambda: "bf16" if torch.cuda.is_available() else "fp32")
+
+def default_precision() -> str:
+    """bf16 where it is fast (CUDA); fp32 on CPU, where bf16 is slow and the tests need exact numerics."""
+    return "bf16" if torch.cuda.is_available() else "fp32"
+
+
+register(Config, default_precision)
 
 
 @hydra.main(version_base=None, config_path=str(CONF), config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
+    run_job(cfg)
+
+
+def run_job(cfg: DictConfig, preference: bool = False) -> None:
+    """One job (a run, or one of a sweep) on every rank; `preference`: dtrain.dpo's (its data must be
+    preference pairs, and config.yaml records the reference it resolved)."""
     under_submitit = bool(os.environ.get("SUBMITIT_EXECUTOR"))  # hydra/launcher=submitit_*: no torchrun
     if under_submitit:  # a task per device: the rank environment comes from submitit
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
@@ -70,7 +93,12 @@ def hydra_main(cfg: DictConfig) -> None:
     sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
     end = functools.partial(end_job, sweeping)
     try:
+        fitted = fit_embedded_default(cfg, world_size_from_env(), list(HydraConfig.get().overrides.task))
         config = to_config(cfg)
+        if preference and not config.data.preference:
+            raise ConfigError(
+                f"data.format={config.data.format}: dtrain.dpo trains on data.format=preference"
+            )
         check_model_folder(config.model.name_or_path)
         model_config = load_model_config(config.model)
         shape = check_config(config, world_size_from_env(), model_config)
@@ -79,6 +107,8 @@ def hydra_main(cfg: DictConfig) -> None:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         resolved["model"]["init"] = config.model.init  # config.yaml shows what ran (auto resolved)
         resolved["parallel"]["loss_impl"] = config.parallel.loss_impl  # likewise (check_config)
+        if preference:
+            resolved["dpo"]["reference"] = config.dpo.reference  # likewise (dpo.reference=auto)
         checkpoints = checkpoint_dir(config.checkpoint, run_dir)
         start_over = config.checkpoint.resume == "never"
         conflict = None if start_over else other_run_in(run_dir, checkpoints, resolved)
@@ -89,8 +119,9 @@ def hydra_main(cfg: DictConfig) -> None:
             )
         resume_from = find_resume_path(config.checkpoint, checkpoints)
     except ConfigError as error:
+        if not sweeping:
+            discard_new_run_folder()
         end(str(error))
-    log.info(first_line(run_dir, resume_from, start_over))
     if config.train.epochs is None and config.optim.warmup_steps > config.train.max_steps:
         log.warning(
             f"optim.warmup_steps={config.optim.warmup_steps} is longer than the run "
@@ -100,15 +131,24 @@ def hydra_main(cfg: DictConfig) -> None:
     from dtrain.trainer import train  # after validation: a bad config should not wait on imports
 
     device = init_distributed(config.parallel.timeout_s)
-    if is_rank0:
-        if start_over:  # checkpoint.resume=never: the folder's earlier run goes
-            for stale in (run_dir / "metrics.jsonl", run_dir / WANDB_ID):
-                stale.unlink(missing_ok=True)
-            remove_checkpoints(checkpoints)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     try:
-        train(config, shape, model_config, device, run_dir, resolved, resume_from)
+        with holding(run_dir):  # one run per folder: a second one is refused here, on every rank
+            if is_rank0:
+                if start_over:  # checkpoint.resume=never: the folder's earlier run goes
+                    for stale in (run_dir / "metrics.jsonl", run_dir / WANDB_ID):
+                        stale.unlink(missing_ok=True)
+                    remove_checkpoints(checkpoints)
+                (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+            resume(
+                config.checkpoint,
+                checkpoints,
+                resume_from,
+                lambda path: log.info(first_line(run_dir, path, start_over, fitted)),
+                lambda path: train(config, shape, model_config, device, run_dir, resolved, path),
+            )
     except (ConfigError, CheckpointError, RankFailure) as error:  # raised alike on every rank
+        if not sweeping:
+            discard_new_run_folder()
         end(str(error))
     except Preempted as preempted:
         fail(str(preempted), EXIT_PREEMPTED, prefix="")  # the whole sweep stops: the machine goes
@@ -126,14 +166,19 @@ def hydra_main(cfg: DictConfig) -> None:
             shutdown()  # each submitit job is its own processes and process group
 
 
-def first_line(run_dir: Path, resume_from: Path | None, start_over: bool) -> str:
-    """What the run does with its folder: `resuming outputs/NAME at step 22`, or starting."""
+def first_line(run_dir: Path, resume_from: Path | None, start_over: bool, fitted: str | None = None) -> str:
+    """What the run does with its folder: `resuming outputs/NAME at step 22`, or starting; and how
+    the embedded default was fitted to the world size (fit_embedded_default), if it was."""
     shown = os.path.relpath(run_dir) if run_dir.resolve().is_relative_to(Path.cwd()) else str(run_dir)
+    notes = [fitted] if fitted else []
     if resume_from is None:
-        why = " (checkpoint.resume=never: its earlier checkpoints and metrics are removed)"
-        return f"starting {shown}{why if start_over else ''}"
-    source = "" if resume_from.parent == run_dir / "checkpoints" else f" from {resume_from}"
-    return f"resuming {shown}{source} at step {saved_step(resume_from)}"
+        if start_over:
+            notes.insert(0, "checkpoint.resume=never: its earlier checkpoints and metrics are removed")
+        line = f"starting {shown}"
+    else:
+        source = "" if resume_from.parent == run_dir / "checkpoints" else f" from {resume_from}"
+        line = f"resuming {shown}{source} at step {saved_step(resume_from)}"
+    return f"{line} ({'; '.join(notes)})" if notes else line
 
 
 def check_model_folder(name_or_path: str | None) -> None:
@@ -163,35 +208,36 @@ def quiet_this_rank() -> None:
             logging.root.removeHandler(handler)
 
 
-def main() -> None:
-    sys.argv[1:] = with_embedded_defaults(sys.argv[1:])
+def main(entry: Callable[[], None] | None = None, embedded: str = EMBEDDED) -> None:
+    """The command line's run (or sweep): `entry`, a Hydra main (dtrain.sft's hydra_main unless
+    given), with `embedded` (an experiment) added when it names no model, no data and no experiment."""
+    die_with_launcher()  # under torchrun: never outlive it
+    with scheduler_signals_held():  # a SIGTERM while starting: save after the first step, exit 75
+        run_command(entry or hydra_main, embedded)
+
+
+def run_command(entry: Callable[[], None], embedded: str) -> None:
+    sys.argv[1:] = with_embedded_defaults(sys.argv[1:], embedded)
     try:
         # The run (or sweep) folder's name, from the command line: every rank and node computes the
         # same one; pinned now so that submitit's jobs, which run elsewhere, share it.
         pin_run_name(sys.argv[1:])
-        check_writable(output_folder(sys.argv[1:]))
-    except ConfigError as error:
+        folder = output_folder(sys.argv[1:])
+        check_run_folder(folder)
+        if folder is not None:  # a run holding it refuses this one now, before Hydra writes there
+            check_free(folder)
+    except (ConfigError, LockHeld) as error:
         fail(str(error))
     if rank_from_env() != 0:  # no .hydra/ or Hydra log file; hydra_main quiets the rest (quiet_this_rank)
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     try:
-        hydra_main()
+        entry()
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # done: a launcher that passed on a signal reads it
+            write_exit_status(0)
     except KeyboardInterrupt:  # a Ctrl-C before training started (the loop handles its own): no traceback
         fail("interrupted", EXIT_INTERRUPTED, prefix="")
     finally:
         shutdown()
-
-
-def check_writable(folder: Path) -> None:
-    """The run folder can be made and written (else Hydra's own mkdir, or the first save, fails
-    with a traceback per rank)."""
-    probe = folder / f".dtrain-write-test-{rank_from_env()}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise ConfigError(f"{folder}: the run folder cannot be written ({error.strerror or error})") from None
 
 
 if __name__ == "__main__":

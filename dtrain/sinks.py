@@ -68,8 +68,14 @@ def format_record(record: dict[str, Any], max_steps: int) -> str:
     if "eval_loss" in record:
         return f"{step} | eval_loss {record['eval_loss']:.4f}"
     mfu = f" | mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
+    rewards = ""  # dtrain.dpo's (TRL's names in metrics.jsonl and W&B)
+    if "rewards/accuracies" in record:
+        rewards = (
+            f" | rewards/accuracies {record['rewards/accuracies']:.3f} | rewards/margins "
+            f"{record['rewards/margins']:.4f}"
+        )
     return (
-        f"{step} | loss {record['loss']:.4f} | grad_norm {record['grad_norm']:.3f} | "
+        f"{step} | loss {record['loss']:.4f}{rewards} | grad_norm {record['grad_norm']:.3f} | "
         f"lr {record['lr']:.2e} | tokens/s {record['input_tokens_per_s']:,.0f} "
         f"({record['input_tokens_per_s_per_device']:,.0f}/device, "
         f"{record['tokens_per_s']:,.0f} supervised) | step {record['step_time_s'] * 1000:.0f} ms "

@@ -86,26 +86,40 @@ def summed_loss(
     dense, lm_head's whole logits then cross-entropy; chunked, lm_head + loss `loss_chunk` local
     positions at a time, each chunk recomputed in backward; fused, the head, loss and gradients in
     one pass per chunk (dtrain.fused_loss), nothing recomputed."""
-    inputs = dict(
-        input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
-    )
-    if getattr(model.config, "output_router_logits", False):  # dtrain computes the aux loss (RouterStats)
-        inputs["output_router_logits"] = False
-    if CONTEXT_KWARG in micro_batch:  # context parallel: attention gathers the rest of each row
-        inputs[CONTEXT_KWARG] = micro_batch[CONTEXT_KWARG]
-    labels = micro_batch["labels"]
+    inputs, labels = model_inputs(model, micro_batch), micro_batch["labels"]
     if loss_impl == "dense":
         return summed_cross_entropy(model(**inputs).logits, labels)
     if loss_impl not in ("chunked", "fused"):
         raise ValueError(f"loss_impl={loss_impl!r}: must be dense, chunked or fused")
+    hidden, head = final_hidden_states(model, inputs)
+    if loss_impl == "chunked":
+        return chunked_summed_cross_entropy(head, hidden, labels, loss_chunk)
+    return FusedLinearCrossEntropy(loss_chunk, model.config.vocab_size)(hidden, head.weight, labels)
+
+
+def model_inputs(model: torch.nn.Module, micro_batch: dict[str, Any]) -> dict[str, Any]:
+    """The model's forward arguments for a micro-batch: full-length position ids (packed rows restart
+    them), no cache, no router logits (dtrain computes the aux loss: RouterStats), and with context
+    parallel the ContextShard attention gathers the rest of each row through."""
+    inputs = dict(
+        input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
+    )
+    if getattr(model.config, "output_router_logits", False):
+        inputs["output_router_logits"] = False
+    if CONTEXT_KWARG in micro_batch:
+        inputs[CONTEXT_KWARG] = micro_batch[CONTEXT_KWARG]
+    return inputs
+
+
+def final_hidden_states(model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, torch.nn.Module]:
+    """The model's forward with lm_head detached (loss.head_detached): the final hidden states, and
+    the head, for a loss that computes the logits itself (chunked, fused)."""
     with head_detached(model) as head, warnings.catch_warnings():
         # The identity head returns HF's slice of the hidden states, a view: FSDP2 warns against
         # in-place ops on it, and the chunked losses only slice and read it.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
         hidden = model(**inputs).logits
-    if loss_impl == "chunked":
-        return chunked_summed_cross_entropy(head, hidden, labels, loss_chunk)
-    return FusedLinearCrossEntropy(loss_chunk, model.config.vocab_size)(hidden, head.weight, labels)
+    return hidden, head
 
 
 def optimizer_step(

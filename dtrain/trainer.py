@@ -24,10 +24,11 @@ from dtrain.export import export_hf, export_merged
 from dtrain.faults import Faults
 from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_flops
 from dtrain.model import build_model, has_weights, tokenizer_source
-from dtrain.objective import build_objective
+from dtrain.objective import Objective, build_objective
 from dtrain.optim import build_optimizer, build_scheduler, trainable_parameters
 from dtrain.parallel.experts import idle_parameters
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
+from dtrain.reference import precomputed
 from dtrain.reliability import Preempted, StallWatch, StepGuard
 from dtrain.sinks import Sink, open_sinks
 from dtrain.step import local_micro_batch, optimizer_step
@@ -59,6 +60,7 @@ class Run:
     faults: Faults | None  # the tests' fault injection; None in a normal run
     meter: StepMeter
     sinks: list[Sink]  # rank 0's; none on the other ranks
+    objective: Objective  # what a step optimizes: SFT's token loss, DPO's pair loss
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def emit(self, record: dict[str, Any]) -> None:
@@ -99,6 +101,12 @@ def start_run(
         config.train.max_steps = steps_for_epochs(config.train, len(data.train))
     scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
     progress = load(resume_from, model, optimizer, scheduler, data.train) if resume_from else Progress()
+    # SFT's token loss, or DPO's pair loss with its reference (precomputed now, at step 0)
+    frozen = functools.partial(build_model, model_config, config, parallel, device, vocab_rows, frozen=True)
+    table = functools.partial(
+        precomputed, config, model, data.train, parallel, run_dir, progress.step, resume_from
+    )
+    objective = build_objective(config, model, parallel, frozen, table)
     faults = Faults.from_env()
     checkpointer = Checkpointer(
         config.checkpoint, checkpoint_dir(config.checkpoint, run_dir), resolved, faults
@@ -130,6 +138,7 @@ def start_run(
         faults=faults,
         meter=meter,
         sinks=sinks,
+        objective=objective,
     )
 
 
@@ -148,7 +157,7 @@ def train(
     model, parallel, meter, guard = run.model, run.parallel, run.meter, run.guard
     settings = config.train
     params = trainable_parameters(model)
-    objective = build_objective(config, model, parallel)  # SFT's token loss; the router's aux term
+    objective = run.objective
     tokens_seen = torch.tensor(float(run.progress.tokens_seen), device=device)
     saved = run.progress.step  # the step of the newest checkpoint
     stall = StallWatch(model_config.vocab_size)

@@ -20,6 +20,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 PY="$VENV/bin/python"
+BITSANDBYTES=0.50.2  # tests only: dtrain's NF4 (lora.base_dtype=nf4) is its own torch code
 # The installs skip pip's byte-compilation (a file at a time) for one compileall on every core
 # after them: 49 s of set-up instead of 59 s on 2 cores. Files this Python cannot compile (torch's
 # Python 3.12 test helpers) are skipped, as pip skips them.
@@ -36,9 +37,12 @@ if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('to
   INSTALLED=1
 fi
 STAMP="$VENV/.dtrain-installed"
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "${BASH_SOURCE[0]}" -nt "$STAMP" ]; then
   echo "[setup] installing dtrain and its dependencies into $VENV"
   "${PIP_INSTALL[@]}" -e "$ROOT[dev]"
+  # QLoRA's reference (tests/test_qlora.py): its own requirements are torch, numpy and packaging,
+  # all here already; --no-deps so that no resolver ever swaps the torch build installed above
+  "${PIP_INSTALL[@]}" --no-deps "bitsandbytes==$BITSANDBYTES"
   INSTALLED=1
   touch "$STAMP"
 fi

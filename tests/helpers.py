@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+import dtrain
 from dtrain.config import (
     CheckpointConfig,
     Config,
@@ -32,6 +34,17 @@ ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "dtrain" / "assets"
 DATASET = ASSETS / "sft_tiny.jsonl"
 TOKENIZER = ASSETS / "tiny_llama"  # the embedded model folder: config.json and tokenizer, no weights
+
+
+def dtrain_frames(output: str) -> list[str]:
+    """The traceback lines of `output` in dtrain's own code: files under the repository's `dtrain`
+    package folder, named by its path (as launched from ROOT, and as this process imported it), not
+    by a `/dtrain/` anywhere in a path (a clone named dtrain/ holds its .venv, and so torch's and
+    datasets' files, under one)."""
+    packages = {str(ROOT / "dtrain"), str(Path(dtrain.__file__).parent)}
+    pattern = "|".join(re.escape(package + os.sep) for package in sorted(packages))
+    return re.findall(rf'File "(?:{pattern})[^"]*", line \d+', output)
+
 
 # Small enough for 2 CPU cores; 4 heads and 4 KV heads so that tp=4 divides them.
 TINY = dict(
@@ -265,6 +278,15 @@ def run_worker(nproc: int, name: str, *args: str, timeout: float = 600, env: dic
     return run(worker_command(nproc, name, *args), timeout=timeout, env=env)
 
 
+def worker_results(name: str, out: Path, *args: str, worlds: tuple[int, ...] = (1, 4)) -> dict[str, object]:
+    """Launch tests/workers/NAME once per world size (run_worker; its arguments `args`), each writing
+    `<out>/<scenario>.pt` from rank 0; those files loaded, by scenario."""
+    for nproc in worlds:
+        result = run_worker(nproc, name, "--out", str(out), *args, timeout=900)
+        assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
+    return {path.stem: torch.load(path) for path in out.glob("*.pt")}
+
+
 def one_interpreter_command(
     folder: Path,
     commands: dict[str, list[str]],
@@ -296,7 +318,8 @@ def run_in_one_interpreter(
 
 
 def run(command: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = ROOT):
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # tests/conftest.py's (DTRAIN_TEST_THREADS)
+    full_env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run(
         command,
         cwd=cwd,
@@ -448,29 +471,58 @@ def reference_losses(
 ) -> list[float]:
     """Token-mean losses of `steps` steps of a plain transformers + AdamW loop over `rows` in order,
     `batch` rows a step: what dtrain must reproduce on any mesh (fp32; clip 1.0; cosine, no warmup)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    examples = chat_rows(AutoTokenizer.from_pretrained(folder), rows)
+    chunks = [examples[step * batch : (step + 1) * batch] for step in range(steps)]
+    return adamw_run(model, chunks, lr, weight_decay=0.0, warmup=0)[0]
+
+
+def adamw_run(
+    model: torch.nn.Module,
+    steps: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    lr: float,
+    weight_decay: float = 0.1,
+    warmup: int = 2,
+) -> dict:
+    """The tests' reference loop of a PEFT model (no dtrain code): AdamW on the parameters that
+    require grad (betas 0.9/0.95, eps 1e-8), clip 1.0, `warmup` steps + cosine over len(steps)
+    (transformers' get_scheduler), the loss a token mean over each step's (input_ids, labels)
+    sequences, each run alone. Returns {"losses", "norms" (before clipping, summed in float64),
+    "adapters" (the trained ones under the names PEFT saves them with), "allowance" (each adapter
+    element's AdamW allowance, tests/tolerance.py)}."""
     from transformers import get_scheduler
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    examples = chat_rows(tokenizer, rows)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=steps)
-    losses = []
-    for step in range(steps):
-        chunk = examples[step * batch : (step + 1) * batch]
-        tokens = sum(int((labels != -100).sum()) for _, labels in chunk)
+    from tests.reference import grad_norm
+    from tests.tolerance import AdamAllowance
+
+    named = {peft_saved_name(name): p for name, p in model.named_parameters() if p.requires_grad}
+    trainable = list(named.values())
+    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=warmup, num_training_steps=len(steps))
+    allowance = AdamAllowance(optimizer, named)
+    losses, norms = [], []
+    for batch in steps:
+        tokens = sum(int((labels != -100).sum()) for _, labels in batch)
         total = 0.0
-        for ids, labels in chunk:
+        for ids, labels in batch:
             logits = model(input_ids=ids[None]).logits[0]
             loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
             (loss / tokens).backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(grad_norm(trainable))
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
+        allowance.step()
         scheduler.step()
         optimizer.zero_grad()
         losses.append(total / tokens)
-    return losses
+    adapters = {name: p.detach() for name, p in named.items()}
+    return {"losses": losses, "norms": norms, "adapters": adapters, "allowance": allowance.allowance()}
+
+
+def peft_saved_name(name: str) -> str:
+    """PEFT's parameter name as its adapter file saves it (no adapter name `default`)."""
+    return "base_model.model." + name.removeprefix("base_model.model.").replace(".default", "")
 
 
 # FSDP's dp shard of a parameter that tp also shards on dim 0 is a _StridedShard (not a Shard subclass)

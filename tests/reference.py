@@ -13,9 +13,11 @@ this module's packing gave them.
 Loop (`reference_run`): `from_pretrained` in fp32, torch AdamW (decay on matrices only), HF's cosine
 schedule with warmup, `clip_grad_norm_`, one micro-batch of the whole global batch (a mixture of
 experts: or micro-steps of `Recipe.micro_batch` rows, HF's aux loss over each); packed rows run
-document by document (HF's sdpa would attend across a row's documents). It runs on one thread, so
-its float noise does not depend on the machine, and its result is cached on disk (`cached_run`)
-keyed by a hash of every input, so test files in other pytest-xdist workers share it.
+document by document (HF's sdpa would attend across a row's documents). It runs with the test
+process's CPU kernels and threads (tests/conftest.py: one thread unless DTRAIN_TEST_THREADS says
+otherwise), and its result is cached on disk (`cached_run`) keyed by a hash of every input, those
+included, so test files in other pytest-xdist workers share it. `AdamAllowance` sizes the weight
+tolerance of each element from the run's own AdamW state (tests/README.md, "The error model").
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from filelock import FileLock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+from tests.tolerance import AdamAllowance
 
 IGNORE = -100  # the label torch's cross_entropy and HF ignore
 
@@ -280,13 +284,17 @@ def summed_loss_and_aux(
 
 def reference_run(model_dir: Path, data: Data, recipe: Recipe) -> dict:
     """Train the HF model on the global batches: {"losses", "norms", "params"} (params detached),
-    "seen" (each token's input positions over the run) and what it ran on ("model", "data")."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the float noise (reduction order) independent of the machine's cores
-    try:
-        return _train(model_dir, data, recipe)
-    finally:
-        torch.set_num_threads(threads)
+    "allowance" (tests/tolerance.py's AdamAllowance: each weight element's tolerance) and what it ran
+    on ("model", "data")."""
+    return _train(model_dir, data, recipe)
+
+
+def grad_norm(parameters) -> float:
+    """The global norm of the gradients, summed in float64: the norm of the gradients the run
+    computed, without the error of an fp32 norm of the whole of each tensor (torch's
+    clip_grad_norm_ sums a tensor's squares in fp32: 1e-6 low at these sizes, where a sharded run's
+    norms of smaller pieces are closer)."""
+    return sum(p.grad.double().pow(2).sum() for p in parameters if p.grad is not None).sqrt().item()
 
 
 # Families whose attention HF computes in its eager implementation only: GPT-OSS's attention sinks
@@ -313,14 +321,13 @@ def _train(model_dir: Path, data: Data, recipe: Recipe) -> dict:
     scheduler = get_scheduler(
         "cosine", optimizer, num_warmup_steps=recipe.warmup_steps, num_training_steps=recipe.steps
     )
+    named = dict(model.named_parameters())
+    allowance = AdamAllowance(optimizer, named)
     batches = stream(data, recipe.global_batch)
     losses, norms, aux_losses = [], [], []
     moe_aux = getattr(model.config, "output_router_logits", False)  # HF adds its router loss then
-    seen = torch.zeros(model.get_input_embeddings().num_embeddings, dtype=torch.long)
     for _ in range(recipe.steps):
         batch = next(batches)
-        for row in batch:
-            seen += torch.bincount(row.input_ids[: row.spans[-1][1]], minlength=len(seen))
         targets = sum(int((row.labels != IGNORE).sum()) for row in batch)
         if moe_aux:
             summed, aux = summed_loss_and_aux(
@@ -331,9 +338,11 @@ def _train(model_dir: Path, data: Data, recipe: Recipe) -> dict:
         else:
             loss = summed_loss(model, batch, data.packing) / targets
         loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm).item())
+        norms.append(grad_norm(model.parameters()))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
         losses.append(loss.item())
         optimizer.step()
+        allowance.step()
         scheduler.step()
         optimizer.zero_grad()
     params = {name: param.detach().clone() for name, param in model.named_parameters()}
@@ -341,7 +350,7 @@ def _train(model_dir: Path, data: Data, recipe: Recipe) -> dict:
         "losses": losses,
         "norms": norms,
         "params": params,
-        "seen": seen,
+        "allowance": allowance.allowance(),
         **({"aux_losses": aux_losses} if moe_aux else {}),
         "model": str(model_dir),
         "data": _plain(data),
@@ -355,11 +364,15 @@ def _plain(data: Data) -> dict:
 
 def _digest(model_dir: Path, data: Data, recipe: Recipe) -> str:
     """A hash of everything the run depends on: the model's and tokenizer's files, the dataset's
-    bytes, the data settings and recipe, and this module's source."""
+    bytes, the data settings and recipe, this module's and tests/tolerance.py's source, and the CPU
+    kernels and threads it runs with (each rounds differently; tests/conftest.py sets them)."""
     hasher = _files_digest([*Path(model_dir).iterdir(), *Path(data.tokenizer).iterdir(), Path(data.path)])
     settings = {**_plain(data), "path": None, "tokenizer": None}
     hasher.update(json.dumps([settings, asdict(recipe)], sort_keys=True).encode())
-    hasher.update(inspect.getsource(inspect.getmodule(_digest)).encode())
+    for module in (_digest, AdamAllowance):  # this module's source and the allowance's
+        hasher.update(inspect.getsource(inspect.getmodule(module)).encode())
+    kernels = torch.backends.cpu.get_cpu_capability(), os.environ.get("MKL_CBWR"), torch.get_num_threads()
+    hasher.update(repr(kernels).encode())
     return hasher.hexdigest()[:24]
 
 

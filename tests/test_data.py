@@ -36,6 +36,7 @@ from dtrain.model import load_model_config
 from tests.helpers import (
     DATASET,
     TOKENIZER,
+    dtrain_frames,
     parity_config,
     read_metrics,
     run,
@@ -424,7 +425,7 @@ def assert_refused_with(returncode: int, output: str, words: list[str]) -> None:
     assert returncode == 2, output[-3000:]
     for word in words:
         assert word in output, output[-3000:]
-    assert not re.search(r'File "[^"]*/dtrain/[^"]*", line', output), output[-3000:]
+    assert not dtrain_frames(output), output[-3000:]
 
 
 @pytest.mark.slow

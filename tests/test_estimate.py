@@ -2,11 +2,12 @@
 
 - model state: the planner's parameter, gradient and AdamW bytes equal the bytes of the real
   sharded tensors of a real 4-process gloo run of the same experiment on the same mesh, exactly;
-- peak: within 10 % of the most bytes of live tensor storages a real step held, counted by the
-  worker's own StorageCounter (no code of the planner's tracker; the real step runs every
-  micro-batch, the planner two), dense, fused, a large vocabulary, context parallel on packed rows
-  and LoRA on a frozen bf16 base; a plan without its optimizer state (full fine-tuning) or, with
-  the large vocabulary, without its logits would miss by more than 10 %;
+- peak: the most bytes of live tensor storages a real step held, counted by the worker's own
+  StorageCounter (no code of the planner's tracker; the real step runs every micro-batch, the
+  planner two), dense, fused, a large vocabulary, context parallel on packed rows and LoRA on a
+  frozen bf16 base, each scenario held to the precision the plan has (PEAK_TOLERANCE: 1 %, and 5 %
+  below the count for context parallel on gloo); a plan without its optimizer state (LoRA's
+  adapters' included) or, with the large vocabulary, without its logits would be outside it;
 - the CLI: a table (tiny model), and the seed's JSON (+experiment=llama3_8b_seed: Llama-3-8B, tp=4
   on 4 ranks) whose figures agree with the sharding (total / world), and whose DeepSpeed layouts,
   summed from their buffers, give what the issue derived from DeepSpeed's code: 20 bytes per local
@@ -14,10 +15,13 @@
   and ZeRO-3 over dp=4 fitting in 80 GiB;
 - context parallel: Llama-3-8B's 32k-token rows (+experiment=llama3_8b_32k, 8 ranks) planned at cp=2
   and cp=1 with the same tp: per-rank activations and logits halve, and cp=2 fits in 80 GiB; and
-  the suggestions offer cp when a plan does not fit.
+  the suggestions offer cp when a plan does not fit;
+- the docs: the planner's figures README.md, docs/models.md, docs/architecture.md and
+  docs/estimate.md quote (the 32k plans, the LoRA 8B plan, the seed's) are read from the docs and
+  held to the plans (tests/doc_figures.py).
 
-Three processes start at once (the real run, the scenarios' plans, the command line's plans in one
-interpreter), then the tests read.
+Three processes start at once (the real run, the scenarios' and the docs' plans in one process, the
+command line's plans in one interpreter), then the tests read.
 """
 
 from __future__ import annotations
@@ -30,19 +34,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_figures import GIB, assert_printed, figure, gib, rounds_to
 from tests.estimate_scenarios import SCENARIOS, WORLD
 from tests.helpers import ROOT, one_interpreter_command, read_metrics, sft, worker_command
 
 SCENARIO_PLAN = [sys.executable, "-m", "tests.estimate_scenarios"]
 SEED = ["+experiment=llama3_8b_seed", "estimate.world_size=4"]
-# The dense loss, pinned: these tests are about the logits and activations cp splits (auto would
-# pick fused for Llama, whose plans hold no logits).
-LLAMA3_32K = [
-    "+experiment=llama3_8b_32k",
-    "estimate.world_size=8",
-    "estimate.format=json",
-    "parallel.loss_impl=dense",
-]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
@@ -68,9 +65,6 @@ def runs(tmp_path_factory):
     commands = {
         "table": ["estimate.world_size=4", "parallel.tp=4", "train.micro_batch_size=8"],
         "json": [*SEED, "estimate.format=json", "estimate.suggestions=false"],
-        # Llama-3-8B at 32k: the experiment as shipped (cp=2, tp=2), and cp=1 (does not fit; its
-        # suggestions, three more 8B plans, are not asked for here).
-        **{f"32k:cp{cp}": [*LLAMA3_32K, f"parallel.cp={cp}", "estimate.suggestions=false"] for cp in (1, 2)},
         # parallel.loss_impl=auto (the default): Granite's scaled logits take the dense loss (its
         # experiment, two layers), and so does a family without a TP plan (gpt_neox) at tp=1.
         "granite": [
@@ -100,7 +94,8 @@ def runs(tmp_path_factory):
     }
     processes = {
         "real": start(worker_command(WORLD, "estimate_real", "--out", str(out))),
-        # The scenarios planned with the real run's attention kernel (sdpa on a CPU), in one process.
+        # In one process: the scenarios planned with the real run's attention kernel (sdpa on a CPU),
+        # and the plans the docs quote (Llama-3-8B at 32k at cp=2 and cp=1, LoRA on 8B).
         "plans": start(SCENARIO_PLAN),
         "cli": start(one_interpreter_command(cli, commands, module="dtrain.estimate.app")),
     }
@@ -116,29 +111,41 @@ def runs(tmp_path_factory):
         assert outcome["returncode"] == 0, f"{name}: {commands[name]}\n{outcome['stderr'][-4000:]}"
         outputs[name] = outcome["stdout"]
     outputs["real"] = {name: json.loads((out / f"{name}.json").read_text()) for name in SCENARIOS}
+    outputs["plans"], outputs["docs"] = json.loads(outputs["plans"]).values()
     return outputs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_model_state_equals_the_real_sharded_tensors(runs, name):
-    planned = json.loads(runs["plans"])[name]["per_rank"]
+    planned = runs["plans"][name]["per_rank"]
     real = runs["real"][name]["real"]
-    for key in ("params", "grads", "optimizer"):
+    for key in ("params", "grads", "optimizer", "reference"):  # reference: dtrain.dpo's live one
         assert planned[key] == real[key], key
+
+
+# How close each scenario's planned peak is held to the real step's: what the plan achieves. Where it
+# counts every tensor the real step allocates (the model state, FSDP's buffers and collectives, the
+# activations, the loss's temporaries) it equals the independent count to within a few scalars (96
+# bytes); 1 % holds that and still fails a plan without any part of the step, the smallest being
+# LoRA's AdamW state (3.4 % of its peak). Context parallel on gloo holds, in the backward of the
+# last layer, buffers of the attention's K/V collectives that the fake process group does not
+# allocate (docs/estimate.md, "How it is checked"): the plan is 0.964 of the count there, a lower
+# bound by what the collectives add, held within 5 % and never above the count.
+PEAK_TOLERANCE = {name: 0.01 for name in SCENARIOS} | {"cp2_tp2_packed": 0.05}
+UNDER_COUNT_ONLY = {"cp2_tp2_packed"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_peak_within_10_percent_of_an_independent_count(runs, name):
+def test_peak_is_an_independent_count_of_the_real_step(runs, name):
     """The planned peak against the live storages of a real step (StorageCounter in the worker:
-    every operator's outputs on the local shards, freed when their last reference goes). A plan that
-    dropped the AdamW state would be off by more than 10 % (full fine-tuning), and so, in the
-    large-vocabulary scenario, would a plan that dropped the logits and the loss's temporaries on
-    them (at the other tiny shapes the logits are at most 3 % of the peak). LoRA's AdamW state is that
-    of the adapters alone: the model-state test above holds its frozen base to no gradient and no
-    state, byte for byte."""
-    planned = json.loads(runs["plans"])[name]
+    every operator's outputs on the local shards, freed when their last reference goes), within
+    PEAK_TOLERANCE; a plan that dropped the AdamW state (the adapters' alone with LoRA: the model-state
+    test above holds its frozen base to no gradient and no state, byte for byte) would be outside it,
+    and so, in the large-vocabulary scenario, would a plan that dropped the logits and the loss's
+    temporaries on them."""
+    planned = runs["plans"][name]
     per_rank = planned["per_rank"]
     counted = runs["real"][name]["counted"]
     assert (
@@ -146,29 +153,32 @@ def test_peak_within_10_percent_of_an_independent_count(runs, name):
         == planned["experiment"]["accumulation"]
         >= per_rank["micro_batches"]  # the real step runs all micro-batches, the plan at most two
     )
-    assert per_rank["peak"] == pytest.approx(counted, rel=0.10)
+    tolerance = PEAK_TOLERANCE[name]
+    assert per_rank["peak"] == pytest.approx(counted, rel=tolerance)
+    if name in UNDER_COUNT_ONLY:
+        assert per_rank["peak"] <= counted
     if name == "tp2_large_vocab":
         assert per_rank["peak_phase"].startswith("loss"), per_rank["peak_phase"]
         without_logits = per_rank["peak"] - per_rank["logits"] - per_rank["at_peak"]["temporaries"]
-        assert without_logits < 0.90 * counted
-    if not name.startswith("lora"):
-        assert per_rank["peak"] - per_rank["optimizer"] < 0.90 * counted
+        assert without_logits < (1 - tolerance) * counted
+    assert per_rank["peak"] - per_rank["optimizer"] < (1 - tolerance) * counted
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_peak_within_10_percent_of_the_tracker_on_real_tensors(runs, name):
+def test_peak_is_the_tracker_s_on_the_real_tensors(runs, name):
     """dtrain against dtrain on purpose: the same FSDPMemTracker on the real run's tensors, which
-    separates what fake tensors change (this test) from what the tracker misses (the test above)."""
-    planned = json.loads(runs["plans"])[name]
+    separates what fake tensors change (this test) from what the tracker misses (the test above);
+    within the same PEAK_TOLERANCE (the tracker on real tensors sees what the counter sees)."""
+    planned = runs["plans"][name]
     real = runs["real"][name]["tracked"]
     assert real["micro_batches"] == planned["experiment"]["accumulation"]
-    assert planned["per_rank"]["peak"] == pytest.approx(real["peak"], rel=0.10)
+    assert planned["per_rank"]["peak"] == pytest.approx(real["peak"], rel=PEAK_TOLERANCE[name])
 
 
 @pytest.mark.slow
 def test_context_parallel_halves_activations_and_logits_of_llama3_8b_at_32k(runs):
-    cp1, cp2 = (json.loads(runs[f"32k:cp{cp}"]) for cp in (1, 2))
+    cp1, cp2 = (runs["docs"][f"32k_cp{cp}"]["json"] for cp in (1, 2))
     assert cp1["experiment"]["mesh"] == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2}
     assert cp2["experiment"]["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
     for plan in (cp1, cp2):
@@ -246,12 +256,10 @@ def test_cli_json_agrees_with_the_sharding(runs):
         layer = plan["layers"][name]
         assert layer["local"] * 4 == layer["total"], name
     assert plan["verdict"]["fits"] and plan["verdict"]["headroom_bytes"] > 0
-    assert per_rank["peak"] == sum(per_rank["at_peak"].values())
     assert plan["dtrain"]["model_state"] / 1e9 == pytest.approx(32.1, abs=0.05)  # 16 B × 8.03 B / 4
     assert not plan["dtrain"]["analytic"] and all(layout["analytic"] for layout in plan["deepspeed"])
 
 
-GIB = 2**30
 KEPT = ("init", "backward", "first step")  # held at the end of a backward once Adam has its states
 
 
@@ -363,3 +371,99 @@ def test_gpu_check_script_plans_on_cpu():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "planned peak" in result.stdout
+
+
+LLAMA3_32K_COMMAND = "python -m dtrain.estimate +experiment=llama3_8b_32k estimate.world_size=8"
+
+
+@pytest.mark.slow
+def test_readme_and_models_quote_the_32k_plans(runs):
+    """README.md's and docs/models.md's Llama-3-8B at 32k figures are the plans' peaks (dense loss)."""
+    peaks = [gib(runs["docs"][f"32k_cp{cp}"]["json"]["per_rank"]["peak"], 1) for cp in (2, 1)]
+    readme = r"plans ([\d.]+) GiB per rank at cp=2, and at `parallel.cp=1` ([\d.]+) GiB"
+    assert figure("README.md", readme) == peaks
+    models = r"([\d.]+) GiB per rank by the planner, where cp=1 plans ([\d.]+) GiB"
+    assert figure("docs/models.md", models) == peaks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,anchor",
+    [
+        ("32k_cp2", f"`{LLAMA3_32K_COMMAND} parallel.loss_impl=dense`"),
+        ("32k_cp1", "The same experiment without context parallel"),
+    ],
+)
+def test_estimate_md_prints_the_32k_plans(runs, name, anchor):
+    """docs/estimate.md's printed plans of Llama-3-8B at 32k are what the planner prints now, line for
+    line (the planning time aside)."""
+    assert_printed("docs/estimate.md", anchor, runs["docs"][name]["table"])
+
+
+@pytest.mark.slow
+def test_the_docs_cp_figures_are_the_plans(runs):
+    """The cp=1 → cp=2 figures docs/estimate.md and docs/architecture.md quote: activations at the
+    peak, what the model's forward keeps, the logits, the loss's temporaries and the model state."""
+    cp1, cp2 = (runs["docs"][f"32k_cp{cp}"]["json"] for cp in (1, 2))
+    pairs = [
+        [gib(plan["per_rank"]["at_peak"]["activations"]) for plan in (cp1, cp2)],
+        [gib(plan["top_modules"][0]["activations"]) for plan in (cp1, cp2)],
+        [gib(plan["per_rank"]["logits"]) for plan in (cp1, cp2)],
+        [gib(plan["per_rank"]["at_peak"]["temporaries"]) for plan in (cp1, cp2)],
+    ]
+    state = gib(sum(cp2["per_rank"][key] for key in ("params", "grads", "optimizer")))
+    estimate = (
+        r"the activations at the peak \(([\d.]+) → ([\d.]+) GiB, [\d.]+×\), the activations the model's "
+        r"forward keeps \(([\d.]+) → ([\d.]+) GiB\), the logits \(([\d.]+) → ([\d.]+) GiB\) and the "
+        r"loss's fp32 temporaries \(([\d.]+) → ([\d.]+) GiB\), while the model state stays ([\d.]+) GiB"
+    )
+    assert figure("docs/estimate.md", estimate) == [*(value for pair in pairs for value in pair), state]
+    architecture = (
+        r"halves the activations at the peak \(([\d.]+) → ([\d.]+) GiB\) and the logits "
+        r"\(([\d.]+) → ([\d.]+) GiB\), while the model state stays ([\d.]+) GiB"
+    )
+    assert figure("docs/architecture.md", architecture) == [*pairs[0], *pairs[2], state]
+
+
+@pytest.mark.slow
+def test_the_lora_8b_figures_the_docs_quote_are_the_plan(runs):
+    """`+experiment=llama3_8b_lora estimate.world_size=1`: docs/estimate.md's LoRA table and
+    docs/models.md's peak are the plan's."""
+    plan = runs["docs"]["lora_8b"]["json"]
+    per_rank = plan["per_rank"]
+    state = gib(sum(per_rank[key] for key in ("params", "grads", "optimizer")))
+    headroom = f"{plan['verdict']['headroom_bytes'] / GIB:.1f}"
+    expected = [state, gib(per_rank["params"]), gib(per_rank["grads"]), gib(per_rank["optimizer"])]
+    table = (
+        r"\| \| llama3_8b_lora, 1 GPU \|.*?\| model state between steps \| ([\d.]+) \|.*?"
+        r"\| of which parameters \+ buffers \(bf16 base, fp32 adapters\) \| ([\d.]+) \|.*?"
+        r"\| adapter gradients / AdamW state \| ([\d.]+) / ([\d.]+) \|.*?"
+        r"\| peak \(in the loss\) \| ([\d.]+) \|.*?"
+        r"\| verdict at 80 GiB \| fits, ([\d.]+) GiB headroom \|"
+    )
+    assert figure("docs/estimate.md", table) == [*expected, gib(per_rank["peak"]), headroom]
+    assert per_rank["peak_phase"].startswith("loss"), per_rank["peak_phase"]
+    models = r"the base frozen in bf16: ([\d.]+) GiB peak per rank"
+    assert figure("docs/models.md", models) == [gib(per_rank["peak"], 1)]
+
+
+@pytest.mark.slow
+def test_the_seed_figures_the_docs_quote_are_the_plan(runs):
+    """docs/estimate.md on the seed (`+experiment=llama3_8b_seed estimate.world_size=4`): dtrain's
+    planned peak, and DeepSpeed's two ZeRO-1 layouts from their buffers (parameters per rank, GiB
+    before and after step 1), as the planner's JSON gives them."""
+    plan = json.loads(runs["json"])
+    peak = r"the seed's plan peaks at ([\d.]+) GiB per rank \(in the loss\)"
+    assert figure("docs/estimate.md", peak) == [gib(plan["per_rank"]["peak"])]
+    assert plan["per_rank"]["peak_phase"].startswith("loss")
+    layouts = {layout["name"]: layout for layout in plan["deepspeed"]}
+    for name, label in (
+        ("ZeRO-1 + AutoTP", r"ZeRO-1 \+ AutoTP, tp=4 as designed"),
+        ("ZeRO-1, AutoTP unsharded", r"ZeRO-1, AutoTP sharding nothing \(tp group 4, dp=1\)"),
+    ):
+        layout = layouts[name]
+        values = layout["local_params"] / 1e9, layout["before_first_step"] / GIB, layout["model_state"] / GIB
+        row = rf"\| {label} \| ([\d.]+) B \| ([\d.]+) GiB \| ([\d.]+) GiB \|"
+        quoted = figure("docs/estimate.md", row)
+        for written, value in zip(quoted, values, strict=True):
+            assert rounds_to(written, value), (name, quoted, values)

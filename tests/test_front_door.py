@@ -6,7 +6,6 @@ default in vocabulary, width, KV heads, tokenizer, special tokens and record key
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.helpers import (
     USER_ARCHITECTURE,
     chat_rows,
+    dtrain_frames,
     read_metrics,
     reference_losses,
     run_in_one_interpreter,
@@ -175,7 +175,7 @@ def refused(outcome: dict) -> str:
     no traceback."""
     output = outcome["output"]
     assert outcome["returncode"] == 2, output[-3000:]
-    assert not re.search(r'File "[^"]*/dtrain/[^"]*", line', output), output[-3000:]
+    assert not dtrain_frames(output), output[-3000:]
     errors = [line for line in output.splitlines() if line.startswith("dtrain: error:")]
     assert len(errors) == 1, output[-3000:]
     return errors[0]

@@ -1,8 +1,8 @@
 """The GPU scripts run in CI: `bench/gpu_all.sh --dry-run` goes through every step of the device run
-(bench/gpu_estimate_check.py's plan and real step, a 1-process `torchrun -m dtrain.sft` in bf16, the
-LoRA and the mixture-of-experts runs, bench/gpu_check.py's variants) on the CPU with tiny shapes,
-over the same code as on CUDA, so the first lent GPU is not spent on an ImportError or a bad flag.
-No figure here is a GPU figure."""
+(bench/gpu_estimate_check.py's plan and real step, a 1-process `torchrun -m dtrain.sft` in bf16,
+its LoRA, QLoRA and dtrain.dpo LoRA runs, the mixture-of-experts run, bench/gpu_check.py's
+variants) on the CPU with tiny shapes, over the same code as on CUDA, so the first lent GPU is not
+spent on an ImportError or a bad flag. No figure here is a GPU figure."""
 
 from __future__ import annotations
 
@@ -28,8 +28,16 @@ def test_gpu_all_dry_run_runs_every_check(tmp_path):
     assert result.returncode == 0, result.stdout[-6000:]
     rows = {line.split()[0]: line.split()[1] for line in (out / "summary.txt").read_text().splitlines()[1:]}
     # no test is CUDA-only today (gpu_all.sh's CUDA_ONLY): the row says so instead of running nothing
-    expected = {"estimate": "ok", "sft": "ok", "lora": "ok", "cuda_tests": "none", "moe": "ok"}
-    expected["gpu_check"] = "ok"
+    expected = {
+        "estimate": "ok",
+        "sft": "ok",
+        "lora": "ok",
+        "qlora": "ok",
+        "dpo": "ok",
+        "cuda_tests": "none",
+        "moe": "ok",
+        "gpu_check": "ok",
+    }
     assert rows == expected, rows
 
     estimate = json.loads((out / "estimate.json").read_text())
@@ -42,6 +50,9 @@ def test_gpu_all_dry_run_runs_every_check(tmp_path):
     assert read_metrics(out / "lora")[-1]["step"] == 2  # the LoRA row's (10 on the GPU: Llama-3-8B)
     moe = read_metrics(out / "moe")  # 2 gloo processes at ep = 2 (on the GPU: Qwen3-30B-A3B's layers)
     assert moe[-1]["step"] == 2 and all("aux_loss" in r and r["tokens_per_s"] > 0 for r in moe), moe
+    assert read_metrics(out / "qlora")[-1]["step"] == 2  # QLoRA's (10 on the GPU: 70B-shaped layers)
+    dpo = read_metrics(out / "dpo")  # the DPO LoRA row's (10 on the GPU: Llama-3-8B)
+    assert dpo[-1]["step"] == 2 and "rewards/accuracies" in dpo[-1]
 
     check = json.loads((out / "gpu_check.json").read_text())
     assert check["failed"] == [], check["failed"]

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -153,7 +155,120 @@ def test_launch_scripts_parse():
         assert run(["bash", "-n", str(ROOT / script)]).returncode == 0, script
     sbatch = (ROOT / "launch" / "slurm.sbatch").read_text()
     assert "--rdzv-backend=c10d" in sbatch and "--rdzv-id" in sbatch
+
+
+# The signal a scheduler sends, once the run has logged this step (a checkpoint after step 2 or 3).
+SIGNAL_AFTER_STEP = 1
+SLOW = {"DTRAIN_TEST_STEP_SLEEP_S": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def signal_mid_run(
+    command: list[str], cwd: Path, env: dict, run_dir: Path, signum: int | None, target=None
+) -> tuple[int, str]:
+    """`command` in `cwd`; `signum` (if any) to its process (or to the pid `target(process)` names)
+    once the run in `run_dir` logged step SIGNAL_AFTER_STEP. The exit code and output."""
+    metrics = run_dir / "metrics.jsonl"
+    with subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as process:
+        deadline = time.time() + 600
+        while signum and time.time() < deadline and process.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= SIGNAL_AFTER_STEP:
+                os.kill(target(process) if target else process.pid, signum)
+                break
+            time.sleep(0.05)
+        output, _ = process.communicate(timeout=600)
+    return process.returncode, output
+
+
+STUBS = {
+    # scontrol: records its arguments; `show hostnames` names this machine as the only node
+    "scontrol": 'echo "scontrol $*" >> "$STUB_LOG"\nif [ "$1" = show ]; then echo 127.0.0.1; fi\n',
+    # srun: records its arguments and runs the task itself on this node (its options dropped)
+    "srun": 'echo "srun $*" >> "$STUB_LOG"\nwhile [[ "$1" == --* ]]; do shift; done\n'
+    'export SLURM_NNODES=1 SLURMD_NODENAME=node0\nexec "$@"\n',
+}
+
+
+@pytest.mark.slow
+def test_slurm_passes_sigusr1_on_requeues_on_75_and_the_requeued_job_resumes(tmp_path):
+    """launch/slurm.sbatch as SLURM runs it (its own code path; `srun` and `scontrol` are stubs on
+    PATH that record their arguments, srun running the one node's task here): SIGUSR1 to the batch
+    script (the time limit's warning) reaches the workers through srun and the launcher, they save
+    and exit 75, the script runs `scontrol requeue JOB`; the requeued job (the same script and job
+    id again) resumes from that checkpoint and finishes, each step logged once. One GPU a node
+    (SLURM_GPUS_ON_NODE=1): one worker shows the way as 8 would."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, body in STUBS.items():
+        (stubs / name).write_text(f"#!/bin/bash\n{body}")
+        (stubs / name).chmod(0o755)
+    (tmp_path / "logs").mkdir()  # sbatch's --output needs it before the script runs
+    env = {
+        **os.environ,
+        **SLOW,
+        "PATH": f"{stubs}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "STUB_LOG": str(tmp_path / "stubs.log"),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "node0",
+        "SLURM_GPUS_ON_NODE": "1",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+        "RDZV_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = ["bash", str(ROOT / "launch" / "slurm.sbatch"), "train.max_steps=5", "train.log_every=1"]
+    run_dir = tmp_path / "outputs" / "embedded"
+    code, output = signal_mid_run(command, tmp_path, env, run_dir, signal.SIGUSR1)
+    assert code == 75, output[-3000:]
+    assert "received SIGUSR1" in output and "dtrain: preempted: requeueing job 4242" in output
+    calls = (tmp_path / "stubs.log").read_text().splitlines()
+    assert calls[-1] == "scontrol requeue 4242", calls
+    (saved,) = [int(path.name.removeprefix("step-")) for path in (run_dir / "checkpoints").iterdir()]
+    assert SIGNAL_AFTER_STEP <= saved < 5
+
+    code, output = signal_mid_run(command, tmp_path, {**env, "DTRAIN_TEST_STEP_SLEEP_S": "0"}, run_dir, None)
+    assert code == 0, output[-3000:]
+    assert f"resuming outputs/embedded at step {saved}" in output
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
+    assert (tmp_path / "stubs.log").read_text().count("requeue") == 1  # not after a finished run
+
+
+@pytest.mark.slow
+def test_the_kubernetes_launcher_as_pid_1_passes_sigterm_on(tmp_path):
+    """launch/k8s/pytorchjob.yaml's container command, as the container runs it: PID 1 of a pid
+    namespace of its own (`unshare`), with the yaml's environment and what the operator sets
+    (PET_*: one node, one process). SIGTERM to PID 1 (Kubernetes' stop; the kernel drops a signal a
+    namespace's init does not handle): the worker saves, and the container exits 143 (75 through
+    DTRAIN_PREEMPTED_EXIT_CODE), which restartPolicy ExitCode restarts. The run's own overrides (the
+    experiment, the shared volume) are the test's."""
     (job,) = yaml.safe_load_all((ROOT / "launch" / "k8s" / "pytorchjob.yaml").read_text())
-    assert job["kind"] == "PyTorchJob"
-    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
-    assert "dtrain.sft" in " ".join(worker["command"] + worker.get("args", []))
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    env = {item["name"]: item["value"] for item in container["env"] if "value" in item}
+    args = []
+    for arg in container["args"]:
+        for name, value in env.items():
+            arg = arg.replace(f"$({name})", value)  # Kubernetes' own substitution
+        if arg.startswith("+experiment="):
+            arg = "train.max_steps=5"
+        args.append(arg.replace("/shared/", f"{tmp_path}/"))
+    operator = {
+        "PET_NNODES": "1",
+        "PET_NPROC_PER_NODE": "1",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
+    }
+    namespace = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount", "--mount-proc"]
+    probe = run([*namespace, "true"])
+    assert probe.returncode == 0, f"this test needs unprivileged user namespaces (unshare): {probe.stdout}"
+
+    def pid_1(process: subprocess.Popen) -> int:
+        (child,) = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+        return int(child)
+
+    command = [*namespace, *container["command"], *args, "train.log_every=1"]
+    run_dir = tmp_path / "runs" / env["RUN_NAME"]
+    full_env = {**os.environ, **SLOW, **env, **operator}
+    code, output = signal_mid_run(command, ROOT, full_env, run_dir, signal.SIGTERM, target=pid_1)
+    assert code == 143, output[-3000:]
+    assert "received SIGTERM" in output and "dtrain: preempted: checkpoint saved after step" in output
+    assert list((run_dir / "checkpoints").glob("step-*"))

@@ -9,33 +9,34 @@ template (helpers.chat_rows), in file order: it shares no dtrain code.
 from __future__ import annotations
 
 import json
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dtrain.metrics import flops_per_token
 from tests import reference
 from tests.helpers import (
+    adamw_run,
     chat_rows,
+    one_interpreter_command,
     read_metrics,
     run,
     run_in_one_interpreter,
-    run_worker,
     save_user_model,
     sft,
     user_rows,
+    worker_results,
 )
+from tests.tolerance import assert_logits_close, assert_scalar_close, assert_weights_close
 from tests.workers.lora_runs import ALPHA, GLOBAL_BATCH, LR, MAX_LEN, SCENARIOS, STEPS, R, logit_ids
 
 pytestmark = pytest.mark.slow
 
-RTOL = 1e-5
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ROWS = STEPS * GLOBAL_BATCH
 # Gemma 3's quirks at the user model's size: tied head, scaled embedding, query_pre_attn_scalar,
@@ -54,11 +55,21 @@ def write_rows(path: Path) -> Path:
     return path
 
 
+# The model whose PEFT adapter is rsLoRA (alpha / sqrt(r)): lora.adapter takes use_rslora from it
+RSLORA_ADAPTER = "qwen3"
+
+
 def save_peft_adapter(folder: Path) -> None:
     """A PEFT-written adapter of the folder's model with non-zero A and B (seeded), at folder/adapter:
     on every linear projection of the decoder layers, by PEFT's own names (Phi-3: qkv_proj, gate_up_proj)."""
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        use_rslora=folder.name == RSLORA_ADAPTER,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(base, config)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -88,21 +99,17 @@ def models(tmp_path_factory):
 def lora_runs(models, tmp_path_factory):
     """Every scenario: one launch per world size, each sharing its process group across scenarios."""
     out = tmp_path_factory.mktemp("lora_runs")
-    for nproc in (1, 4):
-        args = ["--out", str(out), "--models", str(models["root"]), "--data", str(models["data"])]
-        result = run_worker(nproc, "lora_runs", *args, timeout=900)
-        assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
-    return {path.stem: torch.load(path) for path in out.glob("*.pt")}
+    return worker_results("lora_runs", out, "--models", str(models["root"]), "--data", str(models["data"]))
 
 
-def peft_model(folder: Path, start: str, init: dict | None, dropout: float = 0.0):
+def peft_model(folder: Path, start: str, init: dict | None, use_rslora: bool = False):
     """PEFT on from_pretrained: the folder's PEFT adapter, or PEFT's own init with A set to dtrain's
     initial A (the A's draw is a generator's; B is zero in both)."""
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     if start == "adapter":
         return PeftModel.from_pretrained(base, folder / "adapter", is_trainable=True)
     config = LoraConfig(
-        r=R, lora_alpha=ALPHA, lora_dropout=dropout, target_modules=TARGETS, task_type="CAUSAL_LM"
+        r=R, lora_alpha=ALPHA, use_rslora=use_rslora, target_modules=TARGETS, task_type="CAUSAL_LM"
     )
     model = get_peft_model(base, config)
     state = model.state_dict()
@@ -137,36 +144,16 @@ def step_documents(folder: Path, data: Path, packed: bool) -> list[list[tuple[to
     ]
 
 
-def reference_run(folder: Path, data: Path, start: str, init: dict | None, packed: bool = False):
-    """PEFT + plain AdamW (decay 0.1, betas 0.9/0.95, clip 1.0, warmup 2 + cosine), the loss a token
-    mean over the step. Returns losses, grad norms and the trained adapters under PEFT's saved names."""
-    model = peft_model(folder, start, init)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=STEPS)
-    losses, norms = [], []
-    for batch in step_documents(folder, data, packed):
-        tokens = sum(int((labels != -100).sum()) for _, labels in batch)
-        total = 0.0
-        for ids, labels in batch:
-            logits = model(input_ids=ids[None]).logits[0]
-            loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-            (loss / tokens).backward()
-            total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(trainable, 1.0).item())
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        losses.append(total / tokens)
-    adapters = {
-        "base_model.model." + name.removeprefix("base_model.model.").replace(".default", ""): p.detach()
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
-    return losses, norms, adapters
+def reference_run(
+    folder: Path, data: Path, start: str, init: dict | None, packed: bool, use_rslora: bool
+) -> dict:
+    """PEFT + plain AdamW (helpers.adamw_run: decay 0.1, betas 0.9/0.95, clip 1.0, warmup 2 + cosine),
+    the loss a token mean over the step: {"losses", "norms", "adapters", "allowance"}."""
+    return adamw_run(peft_model(folder, start, init, use_rslora), step_documents(folder, data, packed), LR)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """How far apart: for checks that training moved something, not for parity (tests/tolerance.py)."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
@@ -189,13 +176,13 @@ def references(models, lora_runs):
 
     def get(name: str):
         _, _, kind, start, overrides = SCENARIO[name]
-        packed = bool(overrides.get("data.packing"))
+        packed, use_rslora = bool(overrides.get("data.packing")), bool(overrides.get("lora.use_rslora"))
         init = lora_runs[name].get("init")
-        runs = cache.setdefault((kind, start, packed), [])
+        runs = cache.setdefault((kind, start, packed, use_rslora), [])
         for seen, result in runs:
             if init is None or all(torch.equal(seen[key], tensor) for key, tensor in init.items()):
                 return result
-        result = reference_run(models[kind], models["data"], start, init, packed)
+        result = reference_run(models[kind], models["data"], start, init, packed, use_rslora)
         runs.append((init, result))
         return result
 
@@ -204,17 +191,17 @@ def references(models, lora_runs):
 
 @pytest.mark.parametrize("name", PARITY)
 def test_loss_grad_norm_and_adapters_match_single_process_peft(lora_runs, references, name):
-    losses, norms, adapters = references(name)
+    """test_parity's rule: every step's loss and grad norm within RTOL, every adapter element within
+    RTOL of itself plus its AdamW allowance (tests/tolerance.py)."""
+    ref = references(name)
     saved = lora_runs[name]
     history = saved["history"]
     assert [h["step"] for h in history] == list(range(1, STEPS + 1))
-    assert losses[-1] < losses[0]  # the reference learns: the comparison is not vacuous
-    for step, (record, loss, norm) in enumerate(zip(history, losses, norms, strict=True), start=1):
-        assert record["loss"] == pytest.approx(loss, rel=RTOL), f"{name} step {step} loss"
-        assert record["grad_norm"] == pytest.approx(norm, rel=RTOL), f"{name} step {step} grad norm"
-    assert set(saved["adapters"]) == set(adapters)
-    for key, tensor in adapters.items():
-        assert relative_error(saved["adapters"][key], tensor) < RTOL, key
+    assert ref["losses"][-1] < ref["losses"][0]  # the reference learns: the comparison is not vacuous
+    for step, (record, loss, norm) in enumerate(zip(history, ref["losses"], ref["norms"], strict=True), 1):
+        assert_scalar_close(record["loss"], loss, f"{name} step {step} loss")
+        assert_scalar_close(record["grad_norm"], norm, f"{name} step {step} grad norm")
+    assert_weights_close(saved["adapters"], ref["adapters"], ref["allowance"], name)
 
 
 @pytest.mark.parametrize("name", [n for world in SCENARIOS.values() for n in world])
@@ -260,7 +247,7 @@ def test_adapter_export_loads_in_peft_with_the_trained_logits(models, lora_runs,
     with torch.no_grad():
         base_logits = base(input_ids=ids).logits
         logits = PeftModel.from_pretrained(base, Path(saved["run_dir"]) / "hf").eval()(input_ids=ids).logits
-    assert relative_error(logits, saved["trained_logits"]) < RTOL
+    assert_logits_close(logits, saved["trained_logits"])
     assert relative_error(logits, base_logits) > 1e-3  # training moved the adapters: not the base's
 
 
@@ -270,20 +257,23 @@ def test_merged_export_loads_in_transformers_with_the_trained_logits(lora_runs, 
     model = AutoModelForCausalLM.from_pretrained(Path(saved["run_dir"]) / "hf-merged", dtype=torch.float32)
     with torch.no_grad():
         logits = model(input_ids=logit_ids()).logits
-    assert relative_error(logits, saved["trained_logits"]) < RTOL
+    assert_logits_close(logits, saved["trained_logits"])
 
 
 @pytest.mark.parametrize("name", EXPORTED)
-def test_checkpoint_from_2x2_resumes_at_tp1_on_the_uninterrupted_curve(lora_runs, name):
+def test_checkpoint_from_2x2_resumes_at_tp1_on_the_uninterrupted_curve(lora_runs, references, name):
+    """dtrain against dtrain on purpose (the reference is the same run not interrupted, which is
+    PEFT's above), at the rule's tolerances: the adapters within the PEFT run's AdamW allowance of the
+    whole run, which bounds what the resumed steps alone can add."""
     saved = lora_runs[name]
     uninterrupted = {h["step"]: h for h in saved["history"]}
     resumed = saved["resumed_history"]
     assert [h["step"] for h in resumed] == list(range(STEPS // 2 + 1, STEPS + 1))
     for record in resumed:
-        assert record["loss"] == pytest.approx(uninterrupted[record["step"]]["loss"], rel=RTOL)
-        assert record["grad_norm"] == pytest.approx(uninterrupted[record["step"]]["grad_norm"], rel=RTOL)
-    for key, tensor in saved["adapters"].items():
-        assert relative_error(saved["resumed_adapters"][key], tensor) < RTOL, key
+        for key in ("loss", "grad_norm"):
+            expected = uninterrupted[record["step"]][key]
+            assert_scalar_close(record[key], expected, f"{name} resumed step {record['step']} {key}")
+    assert_weights_close(saved["resumed_adapters"], saved["adapters"], references(name)["allowance"], name)
 
 
 def test_bf16_keeps_a_bf16_base_and_fp32_adapters_and_tracks_fp32(lora_runs):
@@ -362,36 +352,96 @@ def test_cli_tp2_lora_trains_and_exports_an_adapter_peft_loads(models, tmp_path)
         adapted = PeftModel.from_pretrained(base, tmp_path / "hf").eval()(input_ids=logit_ids()).logits
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged", dtype=torch.float32)
     with torch.no_grad():
-        assert relative_error(merged(input_ids=logit_ids()).logits, adapted) < RTOL
+        assert_logits_close(merged(input_ids=logit_ids()).logits, adapted)
     assert relative_error(adapted, base_logits) > 1e-4  # two steps moved B off zero
 
 
-def test_a_bad_target_module_fails_before_any_process_group_with_one_line(models, tmp_path):
-    args = [f"model.name_or_path={models['llama']}", f"data.path={models['data']}", "data.input_key=question"]
-    args += ["lora.r=8", "lora.target_modules=[q_proj,qkv]", f"hydra.run.dir={tmp_path}"]
-    # `python -m dtrain.sft ARGS` as dtrain.sft.main() in one interpreter: the check comes first
-    outcome = run_in_one_interpreter(tmp_path / "cli", {"bad_target": args})["bad_target"]
+# PEFT variants whose model is not W x + scaling · B A x on every target, as PEFT writes them: refused
+# (docs/lora.md, "Starting from an adapter"), each named by its adapter_config.json key
+PEFT_VARIANTS = {
+    "use_dora": dict(use_dora=True),
+    "rank_pattern": dict(rank_pattern={"q_proj": 8}),
+    "alpha_pattern": dict(alpha_pattern={"q_proj": 32}),
+    "modules_to_save": dict(modules_to_save=["lm_head"]),
+    "bias": dict(bias="lora_only"),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(models, tmp_path_factory):
+    """`python -m dtrain.sft ARGS` for each refused LoRA setting, as dtrain.sft.main() in one
+    interpreter (the checks come before any process group): a bad target module, lora.base_dtype=bf16
+    in an fp32 run, and an adapter folder of each variant in PEFT_VARIANTS (its adapter_config.json
+    written by PEFT's own LoraConfig; the refusal comes before the weights are read)."""
+    root = tmp_path_factory.mktemp("lora_refusals")
+    common = [
+        f"model.name_or_path={models['llama']}",
+        f"data.path={models['data']}",
+        "data.input_key=question",
+    ]
+    commands = {
+        "bad_target": ["lora.r=8", "lora.target_modules=[q_proj,qkv]"],
+        "bf16_base_in_fp32": ["lora.r=8", "lora.base_dtype=bf16", "train.precision=fp32"],
+    }
+    for name, variant in PEFT_VARIANTS.items():  # adapter_config.json as PEFT writes it; any weights
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **variant).save_pretrained(
+            root / name
+        )
+        shutil.copy(models["llama"] / "adapter" / "adapter_model.safetensors", root / name)
+        commands[name] = [f"lora.adapter={root / name}"]
+    commands = {
+        name: [*common, *args, f"hydra.run.dir={root / 'runs' / name}"] for name, args in commands.items()
+    }
+    return run_in_one_interpreter(root / "cli", commands)
+
+
+def refused_with_one_line(outcome: dict) -> str:
+    """The one `dtrain: error:` line of a command refused with exit code 2, before any process group."""
     output = outcome["output"]
     assert outcome["returncode"] == 2, output[-3000:]
     assert "Traceback" not in output and "process group" not in output.lower()
     errors = [line for line in output.splitlines() if line.startswith("dtrain: error:")]
-    assert errors == [
+    assert len(errors) == 1, output[-3000:]
+    return errors[0]
+
+
+def test_a_bad_target_module_fails_before_any_process_group_with_one_line(refusals):
+    assert refused_with_one_line(refusals["bad_target"]) == (
         "dtrain: error: lora.target_modules: 'qkv' names no linear projection of the decoder layers "
         "(they are down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)"
-    ]
+    )
+
+
+def test_a_bf16_base_in_an_fp32_run_is_refused(refusals):
+    line = refused_with_one_line(refusals["bf16_base_in_fp32"])
+    assert "lora.base_dtype=bf16" in line and "train.precision=bf16" in line, line
+
+
+@pytest.mark.parametrize("key", PEFT_VARIANTS)
+def test_a_peft_variant_dtrain_does_not_compute_is_refused_naming_its_key(refusals, key):
+    """DoRA, per-module ranks and alphas, extra trained modules and trained biases: each adapter
+    folder, written by PEFT itself, is refused naming the key and its value."""
+    line = refused_with_one_line(refusals[key])
+    assert line.startswith("dtrain: error: lora.adapter=") and f"{key}=" in line, line
+    assert line.endswith("is not supported"), line
 
 
 def test_export_from_a_lora_checkpoint_writes_the_adapter_and_the_merged_model(models, lora_runs, tmp_path):
     """python -m dtrain.export on 2x2's middle checkpoint: the adapter folder and, with --merged, the
-    merged model give the same logits (PEFT's model against transformers' own)."""
+    merged model give the same logits (PEFT's model against transformers' own). Both commands are
+    dtrain.export's main() in one interpreter (tests/workers/cli_many)."""
     checkpoint = Path(lora_runs["2x2"]["run_dir"]) / "checkpoints" / f"step-{STEPS // 2:08d}"
-    for out, extra in ((tmp_path / "adapter", []), (tmp_path / "merged", ["--merged"])):
-        result = run(
-            [sys.executable, "-m", "dtrain.export", str(checkpoint), str(out), "--dtype", "fp32", *extra]
-        )
-        assert result.returncode == 0, result.stdout[-3000:]
+    exports = {"adapter": [], "merged": ["--merged"]}
+    commands = {
+        out: [str(checkpoint), str(tmp_path / out), "--dtype", "fp32", *extra]
+        for out, extra in exports.items()
+    }
+    result = run(one_interpreter_command(tmp_path / "cli", commands, module="dtrain.export"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    for out, outcome in json.loads((tmp_path / "cli" / "out.json").read_text()).items():
+        assert outcome["returncode"] == 0, (out, outcome["output"][-3000:])
     base = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
         adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=logit_ids()).logits
-        assert relative_error(merged(input_ids=logit_ids()).logits, adapted) < RTOL
+        assert_logits_close(merged(input_ids=logit_ids()).logits, adapted)

@@ -145,20 +145,24 @@ def test_bad_perf_settings_name_the_key(key, value):
 def test_bench_prints_one_table_of_every_variant():
     """Smoke (no timed assertion, and none of the table's own arithmetic, which only restates
     itself): one invocation, one row per variant (the HF Trainer one, or why it did not run), a
-    2-process mesh from torchrun workers, fewer supervised tokens than tokens (the prompts)."""
+    2-process mesh from torchrun workers, fewer supervised tokens than tokens (the prompts); the DPO
+    table's rows: TRL's DPOTrainer (or why it did not run), dtrain 1×1 unpacked and packed."""
     command = [sys.executable, "-m", "dtrain.bench", "--seq", "16", "--steps", "1", "--warmup", "1"]
-    command += ["--rounds", "1", "--meshes", "2x1"]
+    command += ["--rounds", "1", "--meshes", "2x1", "--dpo-pairs", "4"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     lines = result.stdout.splitlines()
     rows = {
-        line[:36].strip(): line[36:].split() for line in lines if line.startswith(("plain", "dtrain", "HF"))
+        line[:36].strip(): line[36:].split()
+        for line in lines
+        if line.startswith(("plain", "dtrain", "HF", "TRL"))
     }
     assert "CPU figures" in result.stdout
     names = ["plain torch + transformers loop", "dtrain 1x1", "dtrain 1x1 chunked loss_chunk=64"]
-    names += ["dtrain 1x1 fused loss_chunk=64", "dtrain 2x1"]
-    assert [name for name in rows if not name.startswith("HF")] == names, result.stdout
+    names += ["dtrain 1x1 fused loss_chunk=64", "dtrain 2x1", "dtrain 1x1 DPO", "dtrain 1x1 DPO packed"]
+    assert [name for name in rows if not name.startswith(("HF", "TRL"))] == names, result.stdout
     assert "HF Trainer" in rows or any(line.startswith("HF Trainer: not run") for line in lines)
+    assert "TRL DPOTrainer" in rows or any(line.startswith("DPO: not run") for line in lines)
     for name in names:
         devices, rate, supervised, _, mfu, _, memory, _ = rows[name]
         assert (mfu, memory) == ("-", "-"), name  # no peak FLOP/s and no per-variant memory on CPU

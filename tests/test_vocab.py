@@ -17,13 +17,8 @@ from dtrain.config import ConfigError
 from dtrain.model import build_meta_model, load_model_config
 from dtrain.parallel.vocab import mask_padded_logits, padded_vocab_size
 from tests.helpers import TINY, TOKENIZER, fixed_batch, parity_config, run_worker
-from tests.test_parity import (
-    RTOL,
-    assert_logits_close,
-    assert_matches_reference,
-    reference_cache_dir,
-    reference_run,
-)
+from tests.test_parity import assert_matches_reference, reference_cache_dir, reference_run
+from tests.tolerance import assert_logits_close, assert_scalar_close
 
 VOCAB, PADDED = 1025, 1026  # the tokenizer's 1024 tokens and one added; tp=2 pads one row
 RUNS = {"pad": "untied", "pad_tied_chunk": "tied"}  # the second with parallel.loss_chunk
@@ -108,7 +103,7 @@ def test_padded_training_matches_the_unpadded_hf_model(runs, references, name):
         for n, tensor in trained.items()
         if n in reference["params"]
     }
-    assert_matches_reference(history, {**trained, **unpadded}, reference, f"vocab_{RUNS[name]}", name)
+    assert_matches_reference(history, {**trained, **unpadded}, reference, name)
     for param_name in ("model.embed_tokens.weight", "lm_head.weight"):
         if param_name in trained:
             assert trained[param_name].shape[0] == PADDED
@@ -123,7 +118,7 @@ def test_resume_from_the_padded_checkpoint_on_another_tp(runs):
     uninterrupted, resumed = runs["pad"]["history"], runs["resume_4x1"]["history"]
     assert [h["step"] for h in resumed] == list(range(CHECKPOINT + 1, STEPS + 1))
     for a, b in zip(uninterrupted[CHECKPOINT:], resumed, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=RTOL), b["step"]
+        assert_scalar_close(b["loss"], a["loss"], f"resume_4x1 step {b['step']} loss")
 
 
 @pytest.mark.slow

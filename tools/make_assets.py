@@ -1,4 +1,5 @@
-"""Regenerate dtrain's embedded default assets: a tiny SFT dataset and tokenizer.
+"""Regenerate dtrain's embedded default assets: a tiny SFT dataset, preference pairs on the same
+tasks (dtrain.dpo's), and a tokenizer.
 
 dtrain ships these so that training, tests and smoke runs work offline with no
 Hugging Face hub access. The dataset mixes four simple deterministic tasks that
@@ -139,14 +140,53 @@ def make_tokenizer(rows: list[dict[str, str]]) -> PreTrainedTokenizerFast:
     )
 
 
+def wrong_answer(rng: random.Random, row: dict[str, str]) -> str:
+    """A plausible wrong response to the row's prompt: the right one with two tokens swapped, or
+    another number, or the wrong case (never the right one)."""
+    right = row["response"]
+    parts = right.split(" ")
+    if row["prompt"].startswith("add:"):
+        return str(int(right) + rng.choice([-10, -1, 1, 10]))
+    if row["prompt"].startswith("uppercase:"):
+        return right.lower()
+    i, j = rng.sample(range(len(parts)), 2)
+    parts[i], parts[j] = parts[j], parts[i]
+    wrong = " ".join(parts)
+    return wrong if wrong != right else " ".join(reversed(sorted(parts)))
+
+
+def make_preference_rows(rng: random.Random, rows: list[dict[str, str]], count: int) -> list[dict]:
+    """dtrain.dpo's embedded pairs: the first `count` prompts as chat messages, the right response
+    chosen, a wrong one (wrong_answer) rejected (TRL's explicit-prompt conversational format)."""
+    pairs = []
+    for row in rows[:count]:
+        wrong = wrong_answer(rng, row)
+        if wrong == row["response"]:
+            continue
+        pairs.append(
+            {
+                "prompt": [{"role": "user", "content": row["prompt"]}],
+                "chosen": [{"role": "assistant", "content": row["response"]}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+            }
+        )
+    return pairs
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
 def main() -> None:
-    """Write ``sft_tiny.jsonl`` and the tokenizer of ``tiny_llama/`` under ``dtrain/assets``."""
+    """Write ``sft_tiny.jsonl``, ``dpo_tiny.jsonl`` and the tokenizer of ``tiny_llama/`` under
+    ``dtrain/assets``."""
     rng = random.Random(SEED)
     rows = make_rows(rng)
     ASSETS.mkdir(parents=True, exist_ok=True)
-    with open(ASSETS / "sft_tiny.jsonl", "w", encoding="utf-8", newline="\n") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_jsonl(ASSETS / "sft_tiny.jsonl", rows)
+    write_jsonl(ASSETS / "dpo_tiny.jsonl", make_preference_rows(random.Random(SEED + 1), rows, 512))
     model_dir = ASSETS / "tiny_llama"  # its config.json (the architecture) is kept as it is
     for p in model_dir.glob("*"):
         if p.name != "config.json":

@@ -3,9 +3,10 @@ transformers loop (the no-overhead baseline), by the Hugging Face Trainer (where
 installed), by dtrain's step on a 1×1 mesh, and by dtrain on the meshes the machine allows
 (torchrun workers); prints one table: tokens/s (all and supervised), tokens/s per device, MFU
 (CUDA with a known peak), step time, peak memory (CUDA) and each variant's ratio to the plain loop.
-Then (--moe) a second table, a small Qwen3-MoE with HF's router aux loss: the plain loop, dtrain 1×1
-with each moe.aux_scope, and dtrain with ep = 2 on 2 processes, each against that plain loop.
-On CPU the figures are CPU figures (gloo) and the table says so.
+On CPU the figures are CPU figures (gloo) and the table says so. Then (--moe) a second table, a
+small Qwen3-MoE with HF's router aux loss: the plain loop, dtrain 1×1 with each moe.aux_scope, and
+dtrain with ep = 2 on 2 processes, each against that plain loop. Then (--dpo) dtrain.dpo's step on
+1×1, unpacked and packed, beside TRL's DPOTrainer (dtrain/bench/dpo.py; needs trl).
 
 The variants are in dtrain/bench/variants.py, the Hugging Face Trainer's in hf_trainer.py (a
 process of its own); this module runs them and prints the table."""
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dtrain.bench import dpo
 from dtrain.bench.variants import (
     TINY_MOE_MODEL,
     Result,
@@ -48,10 +50,10 @@ def run_worker(kind: str, args: argparse.Namespace, nproc: int) -> list[dict] | 
         forwarded = [
             a
             for a in forwarded
-            if not a.startswith(("--worker", "--out", "--meshes", "--hf", "--lora", "--moe"))
+            if not a.startswith(("--worker", "--out", "--meshes", "--hf", "--lora", "--moe", "--dpo="))
         ]
         module = ["-m", "dtrain.bench", "--worker", kind, "--out", str(out), *forwarded]
-        if kind == "trainer":
+        if kind in ("trainer", "dpo_trl"):
             command = [sys.executable, *module]
         else:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -110,6 +112,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-trainer", type=int, default=1, help="1: add the HF Trainer variant")
     parser.add_argument("--lora-r", type=int, default=16, help="> 0: add PEFT's and dtrain 1x1's LoRA rows")
     parser.add_argument("--moe", type=int, default=1, help="1: the mixture-of-experts table (Qwen3-MoE)")
+    parser.add_argument(
+        "--dpo", type=int, default=1, help="1: add the DPO table (TRL's DPOTrainer, dtrain.dpo)"
+    )
+    parser.add_argument(
+        "--dpo-pairs", type=int, default=16, help="DPO: pairs a step (the first of the shipped)"
+    )
+    parser.add_argument("--dpo-seq", type=int, default=32, help="DPO: data.max_len (TRL's max_length)")
+    parser.add_argument("--dpo-folder", help=argparse.SUPPRESS)  # internal: the DPO rows' model and pairs
     parser.add_argument("--worker-timeout", type=int, default=600)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a mesh (DPxTP) or 'trainer'
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -124,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
             from dtrain.bench.hf_trainer import trainer_worker
 
             results = trainer_worker(setup, args)
+        elif args.worker == "dpo_trl":
+            results = dpo.trl_worker(Setup(batch=args.dpo_pairs, seq=args.dpo_seq), args)
         else:
             results = mesh_worker(args.worker, setup, args)
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -155,15 +167,37 @@ def main(argv: list[str] | None = None) -> None:
         found = run_worker(mesh, args, dp * tp)
         results += [Result(**r) for r in found] if isinstance(found, list) else [f"dtrain {mesh}: {found}"]
     header = f"batch {args.batch} x seq {args.seq} per dp rank, {setup.precision}; "
-    header += f"best of {args.rounds} rounds of {args.steps} steps"
-    print_table(results, device, header)
+    rounds = f"best of {args.rounds} rounds of {args.steps} steps"
+    print_table(results, device, header + rounds)
     if args.moe:
         moe = Setup(**{**asdict(setup), "model": dict(TINY_MOE_MODEL)})
         moe_results: list[Result | str] = list(measure(moe_variants(moe, device), moe, device, args))
         found = run_worker("moe-ep2", args, 2)
         moe_results += [Result(**r) for r in found] if isinstance(found, list) else [f"MoE ep2: {found}"]
         print()
-        print_table(moe_results, device, "Qwen3-MoE, 8 experts, top-2, HF's aux loss; " + header)
+        print_table(moe_results, device, "Qwen3-MoE, 8 experts, top-2, HF's aux loss; " + header + rounds)
+    if args.dpo:
+        print()
+        print_table(
+            dpo_results(args, device),
+            device,
+            f"DPO, {args.dpo_pairs} pairs a step, max_len {args.dpo_seq}, "
+            f"{setup.precision}; non-pad tokens; {rounds}",
+        )
+
+
+def dpo_results(args: argparse.Namespace, device: torch.device) -> list[Result | str]:
+    """TRL's DPOTrainer (its process; the ratio's base) and dtrain.dpo 1×1 unpacked and packed."""
+    if importlib.util.find_spec("trl") is None:
+        return ["DPO: not run (the TRL baseline needs trl, which is not installed)"]
+    setup = Setup(batch=args.dpo_pairs, seq=args.dpo_seq)
+    with tempfile.TemporaryDirectory() as folder:
+        args.dpo_folder = str(dpo.save_model(setup, Path(folder)))
+        found = run_worker("dpo_trl", args, 1)
+        results: list[Result | str] = (
+            [Result(**r) for r in found] if isinstance(found, list) else [f"TRL DPOTrainer: {found}"]
+        )
+        return results + dpo.dtrain_results(setup, Path(folder), device, args)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from dtrain.metrics import flops_per_token
 from dtrain.model import build_model, load_model_config
 from dtrain.objective import build_objective
 from dtrain.optim import build_optimizer, trainable_parameters
+from dtrain.parallel import nf4
 from dtrain.parallel.experts import idle_parameters
 from dtrain.step import optimizer_step, with_filled_slots
 
@@ -83,6 +84,7 @@ class Setup:
     loss_chunk: int = 0  # dtrain only: parallel.loss_chunk (chunked and fused)
     lora_r: int = 0  # > 0: LoRA adapters of this rank on every projection (PEFT in the plain loop)
     aux_scope: str = "micro_step"  # dtrain only, a mixture of experts: moe.aux_scope
+    base_dtype: str = "auto"  # lora.base_dtype; nf4: the plain loop's base is NF4 dequantized once
 
 
 @dataclass
@@ -151,6 +153,11 @@ def plain_loop(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device) 
     tokens (a mixture of experts: + coef · HF's aux loss of the batch, from the same forward), clip,
     step."""
     model = hf_model(setup, device)
+    if setup.base_dtype == "nf4":  # the values dtrain's NF4 base computes with, dense
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if name.endswith(tuple(PROJECTIONS)):
+                    module.weight.copy_(nf4.round_trip(module.weight))
     if setup.lora_r:
         from peft import LoraConfig, get_peft_model
 
@@ -199,7 +206,10 @@ def dtrain_step(
         ),
         optim=OptimConfig(lr=LR, max_grad_norm=MAX_NORM, schedule="constant"),
         train=TrainConfig(global_batch_size=setup.batch * dp, micro_batch_size=setup.batch),
-        lora=LoraConfig(r=setup.lora_r, alpha=2.0 * setup.lora_r),
+        # LoRA's keys only with LoRA on: lora.alpha beside lora.r=0 is refused as a typo
+        lora=LoraConfig(r=setup.lora_r, alpha=2.0 * setup.lora_r, base_dtype=setup.base_dtype)
+        if setup.lora_r
+        else LoraConfig(),
         moe=MoeConfig(aux_scope=setup.aux_scope),
     )
     config.train.precision = setup.precision
@@ -309,12 +319,17 @@ def in_process_variants(setup: Setup, device: torch.device, loss_chunk: int) -> 
 
 
 def lora_variants(setup: Setup, device: torch.device, r: int) -> dict[str, Callable[[], Step]]:
-    """LoRA (rank r, every projection): PEFT on the plain loop against dtrain 1x1, the same model."""
+    """LoRA (rank r, every projection): PEFT on the plain loop against dtrain 1x1, the same model.
+    QLoRA: dtrain 1x1 on its NF4 base (dequantized after each all-gather, for forward and again for
+    backward) against PEFT on the same base dequantized once, dense: what the NF4 storage costs."""
     mb = make_batch(setup, device)
     lora = Setup(**{**asdict(setup), "lora_r": r})
+    qlora = Setup(**{**asdict(lora), "base_dtype": "nf4"})
     return {
         f"LoRA r={r}: PEFT + plain loop": lambda: plain_loop(lora, mb, device),
         f"LoRA r={r}: dtrain 1x1": lambda: dtrain_step(lora, mb, device, 1, 1),
+        f"QLoRA r={r}: PEFT, dense NF4 base": lambda: plain_loop(qlora, mb, device),
+        f"QLoRA r={r}: dtrain 1x1, NF4 base": lambda: dtrain_step(qlora, mb, device, 1, 1),
     }
 
 

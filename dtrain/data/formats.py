@@ -1,7 +1,9 @@
 """Records → token ids and a per-token supervision mask, one `Format` per data.format in FORMATS.
 
 Formats: `prompt_response` (one user turn, one assistant turn, optional system), `messages` (a list
-of {role, content}; loss on every assistant turn), `text` (loss on every token). The chat formats
+of {role, content}; loss on every assistant turn), `text` (loss on every token), and `preference`
+(dtrain.dpo's pairs: a prompt and its chosen and rejected completions, tokenized as TRL's DPOTrainer
+tokenizes them; `Preference` below). The chat formats
 go through the tokenizer's chat template: the assistant tokens come from the template's
 `{% generation %}` markers when it has them; otherwise from rendering each prompt alone, which must
 be a token-level prefix of the full rendering (raises if not: templates and BPE merges at the seam
@@ -11,8 +13,9 @@ make a string-level prefix mis-mask). Adding a format is adding a class and its 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
+import datasets
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dtrain.config import ConfigError, Source
@@ -27,6 +30,16 @@ EMPTY, OVERLONG, NO_TARGET = (
 )
 KEPT = (OK, TRUNCATED)
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_IDS = datasets.Sequence(datasets.Value("int32"))
+# The tokenized dataset's columns: an SFT format's, and the preference format's (a pair).
+FEATURES = datasets.Features(
+    {"input_ids": _IDS, "mask": datasets.Sequence(datasets.Value("int8")), "length": datasets.Value("int32")}
+    | {"status": datasets.Value("string")}
+)
+PAIR_FEATURES = datasets.Features(
+    {"prompt_ids": _IDS, "chosen_ids": _IDS, "rejected_ids": _IDS, "length": datasets.Value("int32")}
+    | {"status": datasets.Value("string")}
+)
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -99,6 +112,15 @@ def text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return ids
 
 
+class Settings(NamedTuple):
+    """What shapes a source's tokenized examples besides the record."""
+
+    source: Source
+    tokenizer: PreTrainedTokenizerBase
+    max_len: int
+    overlong: str  # data.overlong: truncate | drop
+
+
 class Format:
     """How a record reads: the columns it needs and the record as token ids with a supervision mask.
 
@@ -109,6 +131,7 @@ class Format:
     name: str
     keys: tuple[str, ...]  # the source fields (data.*_key) naming the columns it reads
     optional_keys: tuple[str, ...] = ()  # ... and those naming a column it reads when set
+    features = FEATURES  # the columns `example` writes
 
     def columns(self, source: Source) -> dict[str, str]:
         """The columns it reads, each under the source field that names it (e.g. input_key: 'prompt')."""
@@ -121,6 +144,22 @@ class Format:
         """Token ids and, per token, 1 where the loss learns it; ([], []) when there is nothing to
         learn. A record that cannot be read raises a ConfigError starting with `where`."""
         raise NotImplementedError
+
+    def example(self, record: dict[str, Any], where: str, settings: Settings) -> dict[str, Any]:
+        """One row of the tokenized dataset (`features`): input_ids, mask (supervised tokens), length,
+        status."""
+        ids, mask = self.tokenize(record, settings.source, settings.tokenizer, where)
+        max_len, overlong = settings.max_len, settings.overlong
+        if len(ids) != len(mask):
+            raise ValueError(f"format {self.name!r} gave {len(ids)} token ids and {len(mask)} mask values")
+        status = OK if ids else EMPTY
+        if len(ids) > max_len:
+            status = TRUNCATED if overlong == "truncate" else OVERLONG
+            ids, mask = ids[:max_len], mask[:max_len]
+        # A token is a target of the loss from the one before it: the first token never is.
+        if status in KEPT and not any(mask[1:]):
+            status = NO_TARGET
+        return {"input_ids": ids, "mask": mask, "length": len(ids), "status": status}
 
 
 class ChatFormat(Format):
@@ -164,6 +203,20 @@ class PromptResponse(ChatFormat):
         return messages
 
 
+def checked_messages(messages: Any, key: str, where: str) -> list[dict[str, str]]:
+    """A record's list of {role, content} under `key` (other fields dropped); a ConfigError naming
+    the message if it is not one."""
+    if not isinstance(messages, list):
+        raise ConfigError(f"{where}: {key!r} must be a list of {{role, content}}")
+    for turn, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise ConfigError(f"{where}, message {turn}: needs a role and a string content, got {message!r}")
+        if message.get("role") not in ROLES:
+            role = message.get("role")
+            raise ConfigError(f"{where}, message {turn}: unknown role {role!r} (expected one of {ROLES})")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
 class Messages(ChatFormat):
     """A list of {role, content}; loss on every assistant turn."""
 
@@ -171,19 +224,7 @@ class Messages(ChatFormat):
     keys = ("messages_key",)
 
     def messages(self, record: dict[str, Any], source: Source, where: str) -> list[dict[str, str]] | None:
-        messages = record[source.messages_key]
-        if not isinstance(messages, list):
-            raise ConfigError(f"{where}: {source.messages_key!r} must be a list of {{role, content}}")
-        for turn, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-                raise ConfigError(
-                    f"{where}, message {turn}: needs a role and a string content, got {message!r}"
-                )
-            if message.get("role") not in ROLES:
-                raise ConfigError(
-                    f"{where}, message {turn}: unknown role {message.get('role')!r} (expected one of {ROLES})"
-                )
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        messages = checked_messages(record[source.messages_key], source.messages_key, where)
         if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
             return None
         return messages
@@ -207,8 +248,126 @@ class Text(Format):
         return ids, [1] * len(ids)
 
 
+class Preference(Format):
+    """A preference pair (dtrain.dpo), tokenized token for token as TRL 1.16's DPOTrainer does.
+
+    Explicit prompt: `input_key` (the prompt), `chosen_key`, `rejected_key`, each a string or each a
+    list of {role, content}. Implicit prompt (no `input_key` column, or a string prompt beside
+    conversations): chosen and rejected are whole conversations (or strings) and the prompt is their
+    longest shared prefix of messages (of characters, TRL's `extract_prompt`), which must end where
+    both continue with an assistant turn. Conversations: the prompt rendered by the chat template with
+    the generation prompt, prompt + chosen and prompt + rejected without; each completion is what
+    follows the longest token prefix that rendering shares with both (so it holds the template's
+    end-of-turn tokens), no EOS added. Strings: the tokenizer on the text, the EOS text appended to
+    chosen and rejected unless they end with it. Each sequence (prompt + completion) is cut to
+    data.max_len, the prompt kept whole (TRL's `keep_start`); a pair whose prompt alone fills
+    data.max_len has no completion token left and is dropped (data.overlong=drop: any overlong pair)."""
+
+    name = "preference"
+    keys = ("chosen_key", "rejected_key")
+    features = PAIR_FEATURES
+
+    def pair(self, record: dict[str, Any], source: Source, where: str) -> tuple[Any, Any, Any]:
+        """(prompt, chosen, rejected): three strings or three lists of {role, content}."""
+        sides = []
+        for key in ("chosen_key", "rejected_key"):
+            column = getattr(source, key)
+            value = record.get(column)
+            if value is None:
+                raise ConfigError(f"{where}: key {column!r} is missing or null")
+            sides.append(
+                value if isinstance(value, str) else checked_messages(value, column, f"{where} {column}")
+            )
+        chosen, rejected = sides
+        if isinstance(chosen, str) != isinstance(rejected, str):
+            raise ConfigError(f"{where}: chosen and rejected must both be strings or both lists of messages")
+        prompt = record.get(source.input_key)
+        if prompt is not None and isinstance(prompt, str) == isinstance(chosen, str):
+            if not isinstance(prompt, str):
+                prompt = checked_messages(prompt, source.input_key, f"{where} {source.input_key}")
+            return prompt, chosen, rejected
+        return implicit_prompt(chosen, rejected, where)
+
+    def example(self, record: dict[str, Any], where: str, settings: Settings) -> dict[str, Any]:
+        tokenizer, max_len, overlong = settings.tokenizer, settings.max_len, settings.overlong
+        prompt, chosen, rejected = self.pair(record, settings.source, where)
+        if isinstance(chosen, str):
+            eos = tokenizer.eos_token
+            chosen, rejected = (text if text.endswith(eos) else text + eos for text in (chosen, rejected))
+            prompt_ids, *full = (
+                list(tokenizer(text=text)["input_ids"])
+                for text in (prompt, prompt + chosen, prompt + rejected)
+            )
+        else:
+            prompt_ids = chat_ids(tokenizer, prompt, where, generation_prompt=True)
+            full = [chat_ids(tokenizer, prompt + side, where) for side in (chosen, rejected)]
+        shared = min(common_prefix_length(prompt_ids, ids) for ids in full)
+        prompt_ids = prompt_ids[:shared]
+        completions = [ids[shared:] for ids in full]
+        longest = max(len(ids) for ids in full)
+        status = OK if longest <= max_len else TRUNCATED if overlong == "truncate" else OVERLONG
+        completions = [ids[: max(0, max_len - shared)] for ids in completions]
+        if status in KEPT and not all(completions):  # the prompt fills max_len (TRL drops these too)
+            status = NO_TARGET
+        return {
+            "prompt_ids": prompt_ids,
+            "chosen_ids": completions[0],
+            "rejected_ids": completions[1],
+            "length": 2 * len(prompt_ids) + sum(len(ids) for ids in completions),
+            "status": status,
+        }
+
+
+def implicit_prompt(chosen: Any, rejected: Any, where: str) -> tuple[Any, Any, Any]:
+    """TRL's extract_prompt: the prompt is chosen's and rejected's longest shared prefix (messages, or
+    characters, then less a space that starts the completions), which must be their whole prompt: the
+    first messages where they differ are assistant turns (or the last one when they do not differ)."""
+    end = 0
+    for end in range(min(len(chosen), len(rejected))):
+        if chosen[end] != rejected[end]:
+            if end > 0 and chosen[end - 1] == " ":  # strings: the completion keeps its leading space
+                end -= 1
+            break
+    if end == 0:
+        raise ConfigError(
+            f"{where}: chosen and rejected share no prompt (implicit prompt: they must start alike)"
+        )
+    if not isinstance(chosen, str):
+        roles = {side[end]["role"] for side in (chosen, rejected) if end < len(side)}
+        if roles != {"assistant"}:
+            raise ConfigError(
+                f"{where}: chosen and rejected disagree at message {end} (role {sorted(roles)}), before "
+                "their assistant turn: in the implicit prompt format both hold the same prompt"
+            )
+    return chosen[:end], chosen[end:], rejected[end:]
+
+
+def chat_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    where: str,
+    generation_prompt: bool = False,
+) -> list[int]:
+    try:
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt
+        )
+    except Exception as error:  # the template's own raise_exception(), jinja errors
+        raise ConfigError(f"{where}: the chat template failed: {error}") from error
+    return list(rendered["input_ids"])
+
+
+def common_prefix_length(ids: list[int], other: list[int]) -> int:
+    length = 0
+    for token, other_token in zip(ids, other, strict=False):
+        if token != other_token:
+            break
+        length += 1
+    return length
+
+
 # data.format's choices, by name.
-FORMATS: dict[str, Format] = {fmt.name: fmt for fmt in (PromptResponse(), Messages(), Text())}
+FORMATS: dict[str, Format] = {fmt.name: fmt for fmt in (PromptResponse(), Messages(), Text(), Preference())}
 
 
 def tokenize_example(
@@ -220,16 +379,6 @@ def tokenize_example(
     max_len: int,
     overlong: str,
 ) -> dict[str, Any]:
-    """One row of the tokenized dataset: input_ids, mask (supervised tokens), length, status."""
-    fmt = FORMATS[source.format]
-    ids, mask = fmt.tokenize(record, source, tokenizer, f"{source.where} example {index}")
-    if len(ids) != len(mask):
-        raise ValueError(f"format {fmt.name!r} gave {len(ids)} token ids and {len(mask)} mask values")
-    status = OK if ids else EMPTY
-    if len(ids) > max_len:
-        status = TRUNCATED if overlong == "truncate" else OVERLONG
-        ids, mask = ids[:max_len], mask[:max_len]
-    # A token is a target of the loss from the one before it: the first token never is.
-    if status in KEPT and not any(mask[1:]):
-        status = NO_TARGET
-    return {"input_ids": ids, "mask": mask, "length": len(ids), "status": status}
+    """One row of the tokenized dataset, by the source's format (its `features`)."""
+    settings = Settings(source, tokenizer, max_len, overlong)
+    return FORMATS[source.format].example(record, f"{source.where} example {index}", settings)

@@ -44,6 +44,9 @@ class Rows(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.build(self.rows[index])
 
+    def collate(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return default_collate(rows)
+
     def build(self, examples: list[int]) -> dict[str, torch.Tensor]:
         picked = self.examples[examples] if examples else {"input_ids": [], "mask": []}
         return build_row(
@@ -103,7 +106,7 @@ class SFTLoader:
 
     def __init__(
         self,
-        rows: Rows,
+        rows: Rows | Any,  # Rows, or dtrain.data.pairs.Pairs: a dataset with a `collate`
         *,
         global_batch_size: int,
         micro_batch_size: int,
@@ -133,6 +136,21 @@ class SFTLoader:
         """Rows per epoch."""
         return len(self.rows)
 
+    def restarted(self) -> SFTLoader:
+        """The same stream from its start, built as it is read (dtrain.dpo's reference pass)."""
+        return SFTLoader(
+            self.rows,
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            prefetch=False,
+        )
+
     @property
     def epoch(self) -> int:
         return self.consumed // len(self.rows)
@@ -159,6 +177,7 @@ class SFTLoader:
                     self.rows,
                     batch_size=self.micro_batch_size,
                     sampler=sampler,
+                    collate_fn=self.rows.collate,
                     num_workers=self.num_workers,
                     pin_memory=self.pin_memory,
                 )

@@ -19,9 +19,10 @@ from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
 from dtrain.config import ConfigError, DataConfig, Source, TrainConfig
-from dtrain.data.formats import KEPT, TRUNCATED, pad_id, tokenize_example
+from dtrain.data.formats import FORMATS, KEPT, TRUNCATED, pad_id, tokenize_example
 from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
 from dtrain.data.packing import efficiency, one_per_row, pack
+from dtrain.data.pairs import Pairs
 from dtrain.data.sources import load_split
 
 log = logging.getLogger("dtrain")
@@ -29,14 +30,6 @@ log = logging.getLogger("dtrain")
 # Bump when tokenize_example or a format (formats.FORMATS) changes what it writes, so old cache
 # files are not reused.
 TOKENIZE_VERSION = 1
-FEATURES = datasets.Features(
-    {
-        "input_ids": datasets.Sequence(datasets.Value("int32")),
-        "mask": datasets.Sequence(datasets.Value("int8")),
-        "length": datasets.Value("int32"),
-        "status": datasets.Value("string"),
-    }
-)
 T = TypeVar("T")
 PREPARE_TIMEOUT_S = 24 * 3600  # how long ranks wait for local rank 0 to tokenize
 
@@ -54,11 +47,18 @@ def build_data(
 ) -> SFTData:
     train_examples, eval_examples = once_per_machine(lambda: prepare(data, tokenizer, train.seed))
     rows = to_rows(train_examples, data, tokenizer)
-    fill = efficiency(column(train_examples, "length"), rows.rows, data.max_len)
-    log.info(
-        f"data: {len(train_examples)} training examples in {len(rows)} rows of {data.max_len} "
-        f"({'packed' if data.packing else 'one per row'}), efficiency {fill:.1%} (non-pad tokens / slots)"
-    )
+    if isinstance(rows, Pairs):  # packed per micro-batch: the fill is known as each one is built
+        fill = efficiency(column(train_examples, "length"), [[]] * (2 * len(rows)), data.max_len)
+        log.info(
+            f"data: {len(rows)} training pairs, two sequences each of at most {data.max_len} tokens "
+            f"({'packed per micro-batch' if data.packing else f'one per row: efficiency {fill:.1%}'})"
+        )
+    else:
+        fill = efficiency(column(train_examples, "length"), rows.rows, data.max_len)
+        log.info(
+            f"data: {len(train_examples)} training examples in {len(rows)} rows of {data.max_len} "
+            f"({'packed' if data.packing else 'one per row'}), efficiency {fill:.1%} (non-pad tokens / slots)"
+        )
     loader = SFTLoader(
         rows,
         global_batch_size=train.global_batch_size,
@@ -77,7 +77,9 @@ def build_data(
     return SFTData(loader, evals, len(train_examples), fill)
 
 
-def to_rows(examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Rows:
+def to_rows(examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Rows | Pairs:
+    if data.preference:  # pairs, packed per micro-batch (dtrain/data/pairs.py)
+        return Pairs(examples, data.max_len, pad_id(tokenizer), data.packing)
     layout = pack(column(examples, "length"), data.max_len) if data.packing else one_per_row(len(examples))
     return Rows(examples, layout, data.max_len, pad_id(tokenizer))
 
@@ -126,7 +128,7 @@ def tokenized(
         fn_kwargs=dict(tokenizer=tokenizer, source=source, **settings),
         with_indices=True,
         remove_columns=dataset.column_names,
-        features=FEATURES,
+        features=FORMATS[source.format].features,
         num_proc=data.num_proc if data.num_proc > 1 else None,
         new_fingerprint=fingerprint,
         desc=f"tokenizing {source.path}",

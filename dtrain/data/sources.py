@@ -5,6 +5,7 @@ Face `datasets`."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -25,8 +26,8 @@ def load_split(source: Source, split: str) -> datasets.Dataset:
         dataset = _load(path, split, where)
     except ConfigError:
         raise
-    except ValueError as error:  # datasets' "Unknown split" and friends
-        raise ConfigError(f"{where} split {split!r}: {error}") from error
+    except ValueError as error:  # datasets' "Unknown split" and friends; a byte that is not UTF-8
+        raise ConfigError(first_malformed_json_line(path) or f"{where} split {split!r}: {error}") from error
     if source.max_samples is not None:
         dataset = dataset.select(range(min(source.max_samples, len(dataset))))
     if len(dataset) == 0:
@@ -65,7 +66,11 @@ def _load(path: str, split: str, where: str) -> datasets.Dataset:
 
 
 def _load_files(builder: str, data_files: str | None, split: str, where: str) -> datasets.Dataset:
-    """A packaged builder on files, or (data_files None) a folder whose builder datasets infers."""
+    """A packaged builder on files, or (data_files None) a folder whose builder datasets infers.
+    datasets' own error log is muted: the ConfigError below says what it would, with the line."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
     try:
         if data_files is None:
             return datasets.load_dataset(builder, split=split)
@@ -77,6 +82,8 @@ def _load_files(builder: str, data_files: str | None, split: str, where: str) ->
         if bad:
             raise ConfigError(bad) from error
         raise ConfigError(f"{where}: cannot be read: {error.__cause__ or error}") from error
+    finally:
+        logger.setLevel(level)
 
 
 def is_blank(path: str) -> bool:
@@ -92,20 +99,25 @@ def first_malformed_json_line(path: str) -> str | None:
     error counts rows within a block, not lines in the file)."""
     files = sorted(Path(path).rglob("*.json*")) if os.path.isdir(path) else [Path(path)]
     for file in files:
-        if file.suffix not in (".json", ".jsonl"):
+        if file.suffix not in (".json", ".jsonl") or not file.is_file():
             continue
-        with file.open(encoding="utf-8") as lines:
-            first = lines.read(1)
-            if first == "[":  # one JSON document, not lines
+        with file.open("rb") as lines:
+            if lines.read(1) == b"[":  # one JSON document, not lines
                 continue
             lines.seek(0)
-            for number, line in enumerate(lines, start=1):
+            for number, raw in enumerate(lines, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    byte = f"0x{raw[error.start]:02x}"
+                    return f"{file}:{number}: not UTF-8 (byte {byte}, column {error.start + 1})"
                 if not line.strip():
                     continue
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
-                    return f"{file}:{number}: malformed JSON ({error.msg})"
+                    why = error.msg.removesuffix(" at")  # "Invalid control character at": the column follows
+                    return f"{file}:{number}: malformed JSON ({why}, column {error.colno})"
                 if not isinstance(record, dict):
                     return f"{file}:{number}: expected a JSON object, got {type(record).__name__}"
     return None

@@ -11,6 +11,7 @@ import json
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
@@ -18,7 +19,7 @@ from dtrain.checks import check_estimate
 from dtrain.config import ConfigError, PlanConfig
 from dtrain.estimate.planner import plan, suggest
 from dtrain.estimate.report import to_json, to_table
-from dtrain.hydra_glue import CONF, fail, register, with_embedded_defaults
+from dtrain.hydra_glue import CONF, fail, fit_embedded_default, register, with_embedded_defaults
 
 # Plans are for GPUs: the embedded default's precision is what it would be on CUDA.
 register(PlanConfig, lambda: "bf16")
@@ -40,12 +41,17 @@ def compose(overrides: list[str]) -> PlanConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    overrides = with_embedded_defaults(overrides)
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = hydra_compose(config_name="config", overrides=with_embedded_defaults(overrides))
-        return to_plan_config(cfg)
+        cfg = hydra_compose(config_name="config", overrides=overrides)
+        return to_plan_config(cfg, overrides)
 
 
-def to_plan_config(cfg: DictConfig) -> PlanConfig:
+def to_plan_config(cfg: DictConfig, overrides: list[str]) -> PlanConfig:
+    """The checked config; the embedded default fitted to estimate.world_size, as a run fits it."""
+    world_size = OmegaConf.select(cfg, "estimate.world_size", throw_on_missing=False)
+    if isinstance(world_size, int) and world_size > 0:
+        fit_embedded_default(cfg, world_size, overrides)
     try:
         config = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as error:  # estimate.world_size has no default
@@ -58,7 +64,7 @@ def to_plan_config(cfg: DictConfig) -> PlanConfig:
 @hydra.main(version_base=None, config_path=str(CONF), config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
     try:
-        config = to_plan_config(cfg)
+        config = to_plan_config(cfg, list(HydraConfig.get().overrides.task))
         settings = config.estimate
         result = plan(config, settings.world_size)
         budget = round(settings.gpu_memory_gib * 2**30)

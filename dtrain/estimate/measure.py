@@ -1,9 +1,10 @@
 """One training step under torch's `FSDPMemTracker`: the same measurement for a fake run (the
 planner) and a real one (the tests, the GPU check), so the two can be compared number for number.
 
-The step is the trainer's own (`micro_step` per micro-batch, then `optimizer_step`). The caller runs
-one warm-up step first, outside the tracker: DTensor's first run of each op (sharding propagation,
-its caches) would otherwise show as a false spike, and the first step has no optimizer state yet.
+The step is the trainer's own (the objective's `begin_step`, its `micro_step` per micro-batch, then
+`optimizer_step`). The caller runs one warm-up step first, outside the tracker: DTensor's first run
+of each op (sharding propagation, its caches) would otherwise show as a false spike, and the first
+step has no optimizer state yet.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dtrain.fused_loss import FusedLinearCrossEntropy
 from dtrain.model import canonical_name
-from dtrain.parallel.router import RouterStats
-from dtrain.step import micro_step, optimizer_step
+from dtrain.objective import Objective
+from dtrain.parallel.parallelize import reshard
+from dtrain.step import optimizer_step
 
 _R, _S = _FSDPRefType, _FSDPModState  # the tracker's categories and module states
 TOTAL = "Total"
@@ -53,6 +55,7 @@ class StepMemory:
     params: int  # sharded parameters and buffers, as held between steps
     grads: int  # sharded gradients at the end of the last backward
     optimizer: int  # AdamW state after the step (exp_avg, exp_avg_sq, step)
+    reference: int  # dtrain.dpo's live reference: its frozen sharded weights (0: none)
     peak: int
     at_peak: dict[str, int]  # PEAK_GROUPS at the moment of the peak; sums to `peak`
     peak_phase: str  # where the peak happened: optimizer step, loss, or a module's forward / backward
@@ -130,17 +133,14 @@ def track_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     micro_batches: list[dict[str, torch.Tensor]],
-    tokens: torch.Tensor,
-    loss_parallel: bool,
+    objective: Objective,
     max_grad_norm: float,
     run: int | None = None,
-    loss_impl: str = "dense",
-    loss_chunk: int = 0,
-    router: RouterStats | None = None,
 ) -> StepMemory:
-    """Run one optimizer step (the first `run` of `micro_batches`, default all; then clip and
-    AdamW) under the tracker. All of `micro_batches` count as inputs: the trainer holds them all.
-    `router`: a mixture of experts' record and aux term, started for the step (begin_step)."""
+    """Run one optimizer step (the objective's micro-steps on the first `run` of `micro_batches`,
+    default all; then clip and AdamW) under the tracker. All of `micro_batches`
+    count as inputs: the trainer holds them all. A frozen reference model (dpo.reference=live) is
+    not the tracker's: its sharded weights are counted here, alive for the whole step."""
     params = list(model.parameters())
     tracker = FSDPMemTracker(model, optimizer)
     tracker.memory_tracking = _ModuleStats()
@@ -152,12 +152,17 @@ def track_step(
     hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(_local_bytes(out)))
     modules: dict[str, ModulePeak] = {}
     probe = _LossProbe(tracker)
+    # The objective's start of the step (a reference's or the router's forwards, without gradients:
+    # their transients stay below the step's own peak) runs before the tracker, which follows one
+    # forward per module and micro-batch; then the step starts with its parameters sharded.
+    objective.begin_step(micro_batches[:run])
+    reshard(model)
     try:
         with tracker:
             for index, micro_batch in enumerate(micro_batches[:run]):
                 if index:  # the tracker follows one forward per module: start its module stats afresh
                     tracker.reset_mod_stats()
-                micro_step(model, micro_batch, tokens, loss_parallel, loss_impl, loss_chunk, router)
+                objective.micro_step(micro_batch)
                 _harvest(tracker, modules)
             peak_before_optimizer = _total(tracker.get_tracker_snapshot("peak"), TOTAL)
             grads = _total(tracker.get_tracker_snapshot("current"), _R.SHARDED_GRAD)
@@ -171,11 +176,14 @@ def track_step(
     phase = _peak_phase(peak, peak_before_optimizer, list(modules.values()))
     at_peak = {group: sum(_total(peak_snapshot, key) for key in keys) for group, keys in PEAK_GROUPS.items()}
     assert sum(at_peak.values()) == peak, (at_peak, peak)  # no category of the tracker left out
+    reference = sum(_local_bytes(tensor) for frozen in objective.frozen for tensor in frozen.parameters())
+    at_peak["reference"] = reference
     return StepMemory(
         params=_total(current, _R.SHARDED_PARAM) + _total(current, _R.BUFFER),
         grads=grads,
         optimizer=_total(current, _R.OPT),
-        peak=peak,
+        reference=reference,
+        peak=peak + reference,
         at_peak=at_peak,
         peak_phase=phase,
         logits=max(logits, default=0),  # the fused loss never calls lm_head
@@ -221,21 +229,21 @@ class _LossProbe:
 
 
 def step_inputs(
-    micro_batch_size: int, max_len: int, count: int, device: torch.device
+    micro_batch_size: int, max_len: int, count: int, device: torch.device, pairs: bool = False
 ) -> list[dict[str, torch.Tensor]]:
-    """Micro-batches with data.collate's shapes and dtypes; the values do not change the memory."""
-    ids = torch.zeros((micro_batch_size, max_len), dtype=torch.long, device=device)
-    positions = torch.arange(max_len, device=device).expand(micro_batch_size, -1).contiguous()
-    filled = torch.full((micro_batch_size,), max_len, dtype=torch.long, device=device)
-    return [
-        {
-            "input_ids": ids.clone(),
-            "labels": ids.clone(),
-            "position_ids": positions.clone(),
-            "num_tokens": filled,
-        }
-        for _ in range(count)
-    ]
+    """Micro-batches with the loader's shapes and dtypes; the values do not change the memory.
+    `pairs` (dtrain.dpo): micro_batch_size pairs, two rows each (unpacked: the most rows a
+    micro-batch of pairs takes), with dtrain/data/pairs.py's per-sequence and per-pair tensors."""
+    rows = 2 * micro_batch_size if pairs else micro_batch_size
+    ids = torch.zeros((rows, max_len), dtype=torch.long, device=device)
+    positions = torch.arange(max_len, device=device).expand(rows, -1).contiguous()
+    filled = torch.full((rows,), max_len, dtype=torch.long, device=device)
+    batch = {"input_ids": ids, "labels": ids, "position_ids": positions, "num_tokens": filled}
+    if pairs:
+        batch["sequence_index"] = torch.arange(rows, device=device)[:, None].expand(-1, max_len).contiguous()
+        batch["completion_tokens"] = filled.clone()
+        batch["pair_index"] = torch.arange(micro_batch_size, device=device)
+    return [{key: value.clone() for key, value in batch.items()} for _ in range(count)]
 
 
 def tracked_micro_batches(accumulation: int) -> int:

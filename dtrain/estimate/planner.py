@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -31,11 +32,11 @@ from dtrain.distributed import build_parallel
 from dtrain.estimate.deepspeed import ParamCensus, census
 from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked_micro_batches
 from dtrain.model import allocate, build_meta_model, build_model, load_model_config
+from dtrain.objective import build_objective
 from dtrain.optim import build_optimizer
 from dtrain.parallel.context import shard_sequence
 from dtrain.parallel.experts import experts_modules, local_weights
-from dtrain.parallel.router import RouterStats
-from dtrain.step import micro_step, optimizer_step, with_filled_slots
+from dtrain.step import optimizer_step, with_filled_slots
 
 CPU = torch.device("cpu")
 # The attention kernel a CUDA run takes (dtrain.attention.backend_for); "sdpa" plans what a CPU run
@@ -50,13 +51,14 @@ class Plan:
     model_type: str
     num_params: int
     shape: MeshShape
-    micro_batch_size: int
+    micro_batch_size: int  # rows; dtrain.dpo: pairs (two rows each)
     max_len: int
     precision: str
     activation_checkpointing: str
     attention: str  # the attention kernel planned: flex (CUDA's, for packed rows, windows, cp) or sdpa
     accumulation: int  # micro-batches per optimizer step
     loss_impl: str  # parallel.loss_impl as planned (auto resolved by check_config)
+    objective: str  # `sft`, or dtrain.dpo's `dpo (reference=MODE)`
     step: StepMemory
     # embedding / lm_head / experts (all layers): bytes on this rank and in all; experts also the
     # bytes a layer computes with on this rank (_computed_expert_bytes)
@@ -158,6 +160,11 @@ def _computed_expert_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
             handle.remove()
 
 
+def allocated(model: nn.Module) -> nn.Module:
+    allocate(model, CPU)  # the values do not matter
+    return model
+
+
 def plan(config: Config, world_size: int, attention_backend: str = CUDA_ATTENTION) -> Plan:
     """Build, shard and step the experiment on fake tensors; raises ConfigError for configs that
     cannot run on `world_size` ranks (the same checks as training, minus the data file). Context
@@ -185,43 +192,44 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
         parallel = build_parallel(shape, CPU)  # the mesh, outside the fake mode (it holds real rank ids)
         params_census = census(build_meta_model(model_config))  # the real vocabulary, as DeepSpeed's
         # The eager model is planned: torch.compile does not run under fake tensors and a fake
-        # process group (it crashes), and fused kernels only lower the activation figures.
-        eager = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, compile=False))
+        # process group (it crashes), and fused kernels only lower the activation figures. A mixture
+        # of experts' aux loss is planned at moe.aux_scope=micro_step (the default; global_batch's
+        # extra forward, without gradients, holds less than the step's).
+        eager = dataclasses.replace(
+            config,
+            parallel=dataclasses.replace(config.parallel, compile=False),
+            moe=dataclasses.replace(config.moe, aux_scope="micro_step"),
+        )
         model = build_model(model_config, eager, parallel, None, attention_backend=attention_backend)
+        # dpo.reference=live: a frozen copy, built as the trainer builds it (allocated below)
+        frozen = functools.partial(build_model, model_config, eager, parallel, None, None, attention_backend)
+        reference = frozen(frozen=True) if config.data.preference and config.dpo.reference == "live" else None
         # The meta parameters become fake ones on to_empty: allow_non_fake_inputs lets that happen.
         with FakeTensorMode(allow_non_fake_inputs=True), dtensor_meta_in_own_fake_mode():
-            allocate(model, CPU)  # the values do not matter
-            model.train()
+            allocated(model).train()
             optimizer = build_optimizer(model, config.optim)
             params = list(model.parameters())
+            pairs = config.data.preference  # dtrain.dpo: micro-batches of pairs, two rows each
             micro_batches = [
                 shard_sequence(with_filled_slots(micro_batch), parallel["cp"])
-                for micro_batch in step_inputs(train.micro_batch_size, config.data.max_len, accumulation, CPU)
+                for micro_batch in step_inputs(
+                    train.micro_batch_size, config.data.max_len, accumulation, CPU, pairs
+                )
             ]
-            tokens = torch.tensor(float(train.global_batch_size * config.data.max_len))
-            # A mixture of experts: the routers' record and aux term of moe.aux_scope=micro_step (the
-            # default; global_batch's extra forward, without gradients, holds less than the step's).
-            planned_moe = dataclasses.replace(config.moe, aux_scope="micro_step")
-            router = RouterStats.attach(model, parallel, planned_moe)
-            if router is not None:
-                router.begin_step(micro_batches, forward=None)
-            # Warm-up: DTensor's first run of each op, and AdamW's states, before measuring.
-            loss = config.parallel.loss_impl, config.parallel.loss_chunk
-            with _computed_expert_bytes(model) as computed:  # hooks only here: nothing in the tracker
-                micro_step(model, micro_batches[0], tokens, config.parallel.loss_parallel, *loss, router)
-            optimizer_step(optimizer, params, config.optim.max_grad_norm)
-            step = track_step(
+            objective = build_objective(
+                eager,
                 model,
-                optimizer,
-                micro_batches,
-                tokens,
-                config.parallel.loss_parallel,
-                config.optim.max_grad_norm,
-                run=tracked_micro_batches(accumulation),
-                loss_impl=config.parallel.loss_impl,
-                loss_chunk=config.parallel.loss_chunk,
-                router=router,
+                parallel,
+                functools.partial(allocated, reference),
+                lambda: torch.zeros(train.micro_batch_size, 2),  # precompute: a table, no model
             )
+            # Warm-up: DTensor's first run of each op, and AdamW's states, before measuring.
+            with _computed_expert_bytes(model) as computed:  # hooks only here: nothing in the tracker
+                objective.begin_step(micro_batches[:1])
+                objective.micro_step(micro_batches[0])
+            optimizer_step(optimizer, params, config.optim.max_grad_norm)
+            run = tracked_micro_batches(accumulation)
+            step = track_step(model, optimizer, micro_batches, objective, config.optim.max_grad_norm, run)
             layers = _layer_bytes(model, computed)
     return Plan(
         model_type=model_config.model_type,
@@ -234,6 +242,7 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
         attention=attention_backend if masked_attention(config, shape, model_config) else "sdpa",
         accumulation=accumulation,
         loss_impl=config.parallel.loss_impl,
+        objective=f"dpo (reference={config.dpo.reference})" if config.data.preference else "sft",
         step=step,
         layers=layers,
         tied=bool(model_config.tie_word_embeddings),

@@ -18,11 +18,12 @@ AT_PEAK_LABELS = {
     "unsharded_params": "unsharded (all-gathered) parameters",
     "activations": "activations (+ inputs)",
     "temporaries": "temporaries (backward, reduce-scatter)",
+    "reference": "frozen reference model (dpo.reference=live)",
 }
 
 
 def _model_state(plan: Plan) -> int:
-    return plan.step.params + plan.step.grads + plan.step.optimizer
+    return plan.step.params + plan.step.grads + plan.step.optimizer + plan.step.reference
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,8 @@ def dtrain_row(plan: Plan) -> DtrainRow:
 
 def comparisons(plan: Plan) -> list[Layout]:
     """DeepSpeed's layouts of the same model and batch (analytic: deepspeed.py)."""
-    return layouts(
-        plan.census, plan.shape.world, plan.shape.tp, plan.micro_batch_size, plan.max_len, plan.precision
-    )
+    rows = plan.micro_batch_size * (2 if plan.objective != "sft" else 1)  # dtrain.dpo: pairs
+    return layouts(plan.census, plan.shape.world, plan.shape.tp, rows, plan.max_len, plan.precision)
 
 
 def layout_json(layout: Layout) -> dict[str, Any]:
@@ -101,6 +101,7 @@ def to_json(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], to
             "attention": plan.attention,
             "accumulation": plan.accumulation,
             "loss_impl": plan.loss_impl,
+            "objective": plan.objective,
         },
         "per_rank": step,
         "layers": plan.layers,
@@ -132,6 +133,8 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         return f"  {label:<52}{num(value)}"
 
     v = verdict(step.peak, gpu_memory_gib)
+    pairs = plan.objective != "sft"  # dtrain.dpo: the micro batch counts pairs, two rows each
+    micro_batch = f"{plan.micro_batch_size} pairs" if pairs else str(plan.micro_batch_size)
     axes = " × ".join(
         f"{axis} {degree}"
         for axis, degree in shape.degrees().items()
@@ -140,8 +143,8 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
     axes += f" (ep {shape.ep}, dispatch planned at {PLAN_IMBALANCE:g} × balanced)" if shape.ep > 1 else ""
     lines = [
         f"dtrain plan: {plan.model_type}, {plan.num_params / 1e9:.3g} B parameters | world "
-        f"{shape.world} = {axes} | micro batch "
-        f"{plan.micro_batch_size} × max_len {plan.max_len} | {plan.precision} | activation checkpointing "
+        f"{shape.world} = {axes} | {plan.objective} | micro batch {micro_batch} × max_len {plan.max_len} | "
+        f"{plan.precision} | activation checkpointing "
         f"{plan.activation_checkpointing} | attention {plan.attention} | loss {plan.loss_impl} | "
         f"{plan.accumulation} micro-batches "
         f"per step (tracked {step.micro_batches}) | planned in {plan.seconds:.0f} s",
@@ -152,8 +155,13 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         row("  sharded parameters + buffers", step.params),
         row("  sharded gradients", step.grads),
         row("  AdamW state", step.optimizer),
+        *([row("  frozen reference model (dpo.reference=live)", step.reference)] if step.reference else []),
         f"  at the peak, in the {step.peak_phase}:",
-        *(row("  " + AT_PEAK_LABELS[k], value) for k, value in step.at_peak.items()),
+        *(
+            row("  " + AT_PEAK_LABELS[k], value)
+            for k, value in step.at_peak.items()
+            if value or k != "reference"
+        ),
         row("peak", step.peak),
         *(
             [row("logits of one micro-batch (lm_head output shard)", step.logits)]

@@ -23,7 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh
 # The micro-batch key and model forward kwarg that carries a ContextShard: HF passes unknown forward
 # kwargs down to every layer's attention function.
 CONTEXT_KWARG = "dtrain_context"
-SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "filled")  # filled: dtrain.step.with_filled_slots
+# A micro-batch's tensors over the sequence ([rows, seq]), split over cp; the others are per row or
+# per sequence and stay whole (dtrain.dpo's `sequence_index` is per position: dtrain/data/pairs.py;
+# `filled`: dtrain.step.with_filled_slots).
+SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "filled", "sequence_index")
 
 
 def local_token_indices(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
@@ -101,8 +104,8 @@ class ContextShard:
 
 def shard_sequence(micro_batch: dict[str, Any], cp_mesh: DeviceMesh) -> dict[str, Any]:
     """This cp rank's part of a micro-batch (unchanged when cp = 1): its tokens of every row (their
-    `filled` flags too), its share of the non-pad slots (`num_tokens`), and the ContextShard its
-    attention needs."""
+    `filled` flags too), its share of the non-pad slots (`num_tokens`), the ContextShard its
+    attention needs, and the micro-batch's other tensors as they are."""
     cp = cp_mesh.size()
     if cp == 1:
         return micro_batch
@@ -110,8 +113,11 @@ def shard_sequence(micro_batch: dict[str, Any], cp_mesh: DeviceMesh) -> dict[str
     seq, device = position_ids.shape[1], position_ids.device
     index = local_token_indices(seq, cp, cp_mesh.get_local_rank(), device)
     rank_order = torch.cat([local_token_indices(seq, cp, rank, device) for rank in range(cp)])
-    shard = {key: micro_batch[key].index_select(1, index) for key in SEQUENCE_KEYS}
-    shard["num_tokens"] = shard["filled"].sum(dim=1)
+    shard = {
+        key: value.index_select(1, index) if key in SEQUENCE_KEYS else value
+        for key, value in micro_batch.items()
+    }
+    shard["num_tokens"] = (index[None, :] < micro_batch["num_tokens"][:, None]).sum(dim=1)
     shard[CONTEXT_KWARG] = ContextShard(
         mesh=cp_mesh,
         query_index=index,

@@ -54,7 +54,9 @@ def load_parts(model: nn.Module, state: dict[str, torch.Tensor], where: dict[str
     HF tensors (`where`: each tensor's file): only this rank's rows are read."""
     parts = getattr(model, FUSED_ATTR, {})
     for name, (fused, first) in parts.items():
-        param = state.pop(name)
+        param = state.pop(name, None)
+        if param is None:  # not among the tensors being read (QLoRA reads a layer's NF4 weights apart)
+            continue
         if fused not in where:
             folder = next(iter(where.values())).parent
             raise ConfigError(f"{folder}: no tensor {fused!r} in the safetensors files")

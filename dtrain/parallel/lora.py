@@ -17,10 +17,12 @@ bf16 (lora.base_dtype), while the adapters stay fp32; FSDP2 shards both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -73,8 +75,9 @@ def resolve(settings: LoraConfig) -> LoraConfig:
 
 
 def base_dtype(settings: LoraConfig, precision: str) -> torch.dtype:
-    """lora.base_dtype as it runs: auto is the training precision (bf16 runs keep a bf16 base)."""
-    return DTYPES[precision if settings.base_dtype == "auto" else settings.base_dtype]
+    """lora.base_dtype as it runs: auto is the training precision (bf16 runs keep a bf16 base); nf4
+    too for the weights it leaves dense, and for what the NF4 ones are quantized from."""
+    return DTYPES[precision if settings.base_dtype in ("auto", "nf4") else settings.base_dtype]
 
 
 def scaling(settings: LoraConfig) -> float:
@@ -119,9 +122,12 @@ class LoraLinear(nn.Linear):
     dropout: float
     dropout_seed: int
     dropout_calls: int
+    bypassed = False  # adapters_bypassed(): the base Linear alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = F.linear(x, self.weight, self.bias)
+        if self.bypassed:
+            return result
         lora_x = self._dropout(x.to(self.lora_A.weight.dtype)) if self.dropout > 0 else x
         return result + F.linear(F.linear(lora_x, self.lora_A.weight), self.lora_B.weight) * self.scaling
 
@@ -149,6 +155,20 @@ class LoraLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r={self.lora_A.out_features}, scaling={self.scaling}"
+
+
+@contextlib.contextmanager
+def adapters_bypassed(model: nn.Module) -> Iterator[None]:
+    """The base model alone while inside: every adapter skipped, no dropout mask drawn (dtrain.dpo's
+    dpo.reference=adapters_off: the reference without a second model)."""
+    adapted = [module for module in model.modules() if isinstance(module, LoraLinear)]
+    for module in adapted:
+        module.bypassed = True
+    try:
+        yield
+    finally:
+        for module in adapted:
+            module.bypassed = False
 
 
 def adapter_placements(weight: torch.Tensor) -> tuple[list, list] | None:
@@ -372,5 +392,5 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         delta = (module.lora_B.weight @ module.lora_A.weight) * module.scaling
         if isinstance(weight, DTensor):
             delta = delta.redistribute(weight.device_mesh, weight.placements)
-        merged[f"{name}.weight"] = weight.float() + delta
+        merged[f"{name}.weight"] = weight.to(torch.float32, copy=True) + delta  # an NF4 base dequantizes
     return merged

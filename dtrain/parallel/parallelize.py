@@ -1,5 +1,6 @@
 """Apply, in this order: tensor parallel (every parameter covered; skipped at tp = 1) → re-tie
-embeddings → LoRA adapters (lora.r > 0: laid out by each base layer's TP style) → activation
+embeddings → LoRA adapters (lora.r > 0: laid out by each base layer's TP style; with
+lora.base_dtype=nf4 their base weights stored as NF4, dtrain/parallel/qlora.py) → activation
 checkpointing → torch.compile per decoder layer → FSDP2 per decoder layer
 and root. Then check that every parameter is a DTensor on the one mesh.
 """
@@ -18,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from dtrain.config import ConfigError, LoraConfig, ParallelConfig
 from dtrain.distributed import Parallel
-from dtrain.parallel import experts, gemma3, llama, lora, moe, olmo2, phi3, qwen3
+from dtrain.parallel import experts, gemma3, llama, lora, moe, olmo2, phi3, qlora, qwen3
 
 # By `config.model_type`. Mistral and Qwen2 name their modules as Llama does (Qwen2's q/k/v biases
 # are sharded with their colwise weights); Qwen3 adds per-head q/k norms; Gemma 3 four norms a
@@ -76,10 +77,13 @@ def parallelize(
     precision: str,
     lora_settings: LoraConfig | None = None,
     seed: int = 0,
+    frozen: bool = False,
 ) -> nn.Module:
     """Shard a meta-device HF causal LM over the mesh, in place. Returns the same model.
     `lora_settings` (resolved: lora.resolve) with r > 0: a frozen base with adapters (dtrain/parallel/
-    lora.py); `seed` keys their dropout masks, per data shard (dp and cp rank)."""
+    lora.py); `seed` keys their dropout masks, per data shard (dp and cp rank). `frozen`: a model
+    that only runs forwards (dtrain.dpo's live reference): no gradients, its weights in the compute
+    dtype (bf16 runs: half the bytes of fp32 master weights)."""
     layers = decoder_layers(model)
     experts.shard_experts(model, parallel)  # over ep, and replicated over tp: before TP's coverage check
     if parallel.tp_size > 1:
@@ -91,6 +95,11 @@ def parallelize(
         shard = parallel.dp_rank * parallel["cp"].size() + parallel["cp"].get_local_rank()
         dtype = lora.base_dtype(lora_settings, precision)
         lora.apply_lora(model, layers, lora_settings, dtype, seed * 65_537 + shard)
+        if lora_settings.base_dtype == "nf4":  # QLoRA: the adapted weights stored as NF4
+            qlora.quantize_base(model, parallel.shape.dp_shard * parallel.shape.cp)
+    if frozen:
+        model.requires_grad_(False)
+        model.to(lora.DTYPES[precision])  # swaps DTensor parameters in place: tied weights stay tied
     apply_activation_checkpointing(layers, settings.activation_checkpointing)
     if settings.compile:
         apply_compile(layers, sequence_parallel_norms(model, parallel, settings))
@@ -198,6 +207,14 @@ def apply_fsdp(
                 module.set_force_sum_reduction_for_comms(True)
     if settings.fsdp_prefetch > 0:
         set_prefetch(layers, settings.fsdp_prefetch)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered parameter. FSDP keeps the root gathered after a forward without backward,
+    its module's parameters swapped for the unsharded ones (not the optimizer's)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def reshards(mode: str, index: int, num_layers: int) -> bool:

@@ -18,6 +18,7 @@ Rank 0 writes `<out>/<name>.json`:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -37,21 +38,28 @@ from dtrain.data.pipeline import build_data
 from dtrain.distributed import build_parallel, init_distributed
 from dtrain.estimate.app import compose
 from dtrain.estimate.measure import track_step
-from dtrain.loss import IGNORE
 from dtrain.model import build_model, load_model_config, tokenizer_source
+from dtrain.objective import build_objective
 from dtrain.optim import build_optimizer
-from dtrain.step import local_micro_batch, micro_step, optimizer_step
+from dtrain.step import local_micro_batch, optimizer_step
 from tests.estimate_scenarios import SCENARIOS
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (a DTensor counts its local shard)."""
+    """Bytes of the distinct storages behind `tensors` (a DTensor counts its local shard, an NF4
+    base weight the plain tensors it holds: __tensor_flatten__)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storage = local.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        for plain in [local] if type(local) is torch.Tensor else flat_tensors(local):
+            storage = plain.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def flat_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a tensor subclass wraps."""
+    return [getattr(tensor, attr) for attr in tensor.__tensor_flatten__()[0]]
 
 
 class StorageCounter(TorchDispatchMode):
@@ -144,35 +152,36 @@ def run(overrides: list[str], device: torch.device) -> dict:
     tokenizer = load_tokenizer(tokenizer_source(config.model))
     train = config.train
     batches = build_data(config.data, train, tokenizer, parallel.dp_rank, parallel.dp_size).train
+    frozen = functools.partial(build_model, model_config, config, parallel, device, frozen=True)
+    # the planner's loss; dtrain.dpo's precompute: a table of the dataset's pairs (values do not matter)
+    objective = build_objective(config, model, parallel, frozen, lambda: torch.zeros(len(batches), 2))
 
-    def step_batches() -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
-        micro_batches = [local_micro_batch(mb, parallel) for mb in batches.next_step()]  # in order
-        tokens = sum((mb["labels"] != IGNORE).sum() for mb in micro_batches).float()
-        dist.all_reduce(tokens, group=parallel.token_group)
-        return micro_batches, tokens
+    def step_batches() -> list[dict[str, torch.Tensor]]:
+        return [local_micro_batch(mb, parallel) for mb in batches.next_step()]  # in order
 
-    loss_parallel, max_norm = config.parallel.loss_parallel, config.optim.max_grad_norm
-    impl, chunk = config.parallel.loss_impl, config.parallel.loss_chunk  # the planner's loss
-
+    max_norm = config.optim.max_grad_norm
     # Warm-up, as the planner does: DTensor's first run of each operator, and AdamW's states.
-    warm_up, tokens = step_batches()
-    micro_step(model, warm_up[0], tokens, loss_parallel, impl, chunk)
+    warm_up = step_batches()
+    objective.begin_step(warm_up[:1])
+    objective.micro_step(warm_up[0])
     optimizer_step(optimizer, params, max_norm)
 
     grads: list[int] = []  # the gradients' storages as the optimizer step receives them (LoRA: adapters')
     trained = [p for p in params if p.requires_grad]
     hook = optimizer.register_step_pre_hook(lambda *_: grads.append(storage_bytes(p.grad for p in trained)))
-    micro_batches, tokens = step_batches()
+    micro_batches = step_batches()
+    frozen_tensors = [
+        tensor for model in objective.frozen for tensor in [*model.parameters(), *model.buffers()]
+    ]
     alive = [*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer), *tensors_of(micro_batches)]
-    with StorageCounter(alive) as counter:
-        tracked = track_step(
-            model, optimizer, micro_batches, tokens, loss_parallel, max_norm, loss_impl=impl, loss_chunk=chunk
-        )
+    with StorageCounter([*alive, *frozen_tensors]) as counter:
+        tracked = track_step(model, optimizer, micro_batches, objective, max_norm)
     hook.remove()
     real = {
         "params": storage_bytes([*model.parameters(), *model.buffers()]),
         "grads": grads[0],
         "optimizer": storage_bytes(optimizer_tensors(optimizer)),
+        "reference": storage_bytes(p for other in objective.frozen for p in other.parameters()),
     }
     step = asdict(tracked)
     step.pop("modules")

@@ -52,7 +52,8 @@ SCENARIOS = {
         "1x1_bf16": (1, 1, "llama", "init", {"train.precision": "bf16"}),
     },
     4: {
-        "2x2": (2, 2, "llama", "init", {**EXPORT, "checkpoint.every": STEPS // 2}),
+        # rsLoRA (alpha / sqrt(r)) from lora.use_rslora, exported and resumed (2x2_qwen3: from an adapter)
+        "2x2": (2, 2, "llama", "init", {**EXPORT, "checkpoint.every": STEPS // 2, "lora.use_rslora": True}),
         "2x2_tied": (2, 2, "tied", "adapter", {}),
         "2x2_qwen3": (2, 2, "qwen3", "adapter", {}),
         # fused qkv_proj / gate_up_proj split under TP; resumed at tp = 1: the shared A in DCP and FSDP
