@@ -73,7 +73,9 @@ def real_step_peak(config: PlanConfig) -> tuple[int | None, int]:
         train, max_norm = config.train, config.optim.max_grad_norm
         accumulation = train.global_batch_size // train.micro_batch_size
         micro_batches = step_inputs(train.micro_batch_size, config.data.max_len, accumulation, device)
-        objective = TokenLoss(model, parallel, LossSettings.of(config.parallel))  # the planner's loss
+        objective = TokenLoss(
+            model, parallel, LossSettings.of(config.parallel), config.moe
+        )  # the planner's loss
         tracked = micro_batches[: tracked_micro_batches(accumulation)]
 
         def step() -> None:

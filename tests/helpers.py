@@ -474,7 +474,7 @@ def reference_losses(
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     examples = chat_rows(AutoTokenizer.from_pretrained(folder), rows)
     chunks = [examples[step * batch : (step + 1) * batch] for step in range(steps)]
-    return adamw_run(model, chunks, lr, weight_decay=0.0, warmup=0)[0]
+    return adamw_run(model, chunks, lr, weight_decay=0.0, warmup=0)["losses"]
 
 
 def adamw_run(

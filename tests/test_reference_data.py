@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from dtrain.config import TrainConfig
 from dtrain.data.pipeline import build_data
-from tests import reference
+from tests import reference, tolerance
 from tests.helpers import DATASET, GLOBAL_BATCH, MAX_LEN, STEPS, TOKENIZER, parity_config
 
 pytestmark = pytest.mark.slow  # tokenizing the 4000 records twice (dtrain's map, the reference's loop)
@@ -119,15 +119,23 @@ def test_the_reference_masks_what_the_template_marks():
     assert first.labels.index(supervised[0]) == len(first.labels) - len(supervised) - 1  # all at the end
 
 
-def test_the_reference_imports_nothing_of_dtrain():
-    """tests/reference.py's independence, read from its import statements: neither dtrain nor the
-    tests' own modules (tests.helpers imports dtrain)."""
-    tree = ast.parse(Path(reference.__file__).read_text())
+def absolute_imports(module) -> set[str]:
+    """The modules a source file imports, read from its import statements (none relative)."""
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {
         node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0
     }
-    assert not any(
-        isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree)
-    )  # no relative import
-    assert imported and not {name for name in imported if name.split(".")[0] in ("dtrain", "tests")}, imported
+    assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree)), module
+    return imported
+
+
+def test_the_reference_imports_nothing_of_dtrain():
+    """tests/reference.py's independence, read from its import statements: neither dtrain nor the
+    tests' own modules (tests.helpers imports dtrain), but tests.tolerance (the AdamW allowance it
+    sizes from its own run), which imports neither."""
+    imported = absolute_imports(reference)
+    ours = {name for name in imported if name.split(".")[0] in ("dtrain", "tests")}
+    assert imported and ours == {"tests.tolerance"}, imported
+    own = {name for name in absolute_imports(tolerance) if name.split(".")[0] in ("dtrain", "tests")}
+    assert not own, own

@@ -37,7 +37,9 @@ MESHES = {  # 4 ranks
     "cp2_tp2": {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp_shard": 1, "data.packing": True},
     "hsdp": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 1},
     "lora_tp2_dp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 2, **LORA},
-    "moe_ep2_tp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.ep": 2, "train.micro_batch_size": 2},
+    # one micro-step a step: the default aux scope (moe.aux_scope=micro_step) is then HF's aux loss over
+    # the whole batch, which TRL computes in its one forward of the batch
+    "moe_ep2_tp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.ep": 2, "train.micro_batch_size": 4},
 }
 MIXED = {"dpo.loss_type": ["sigmoid", "ipo"], "dpo.loss_weights": [0.7, 0.3]}
 ADAPTER = "--adapter"  # a scenario's override taking the worker's --adapter folder
