@@ -27,7 +27,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    sft.main(hydra_main, EMBEDDED_DPO)
+    sft.main(hydra_main, EMBEDDED_DPO, PreferenceConfig)
 
 
 if __name__ == "__main__":

@@ -208,9 +208,15 @@ def quiet_this_rank() -> None:
             logging.root.removeHandler(handler)
 
 
-def main(entry: Callable[[], None] | None = None, embedded: str = EMBEDDED) -> None:
+def main(
+    entry: Callable[[], None] | None = None, embedded: str = EMBEDDED, schema: type[Config] = Config
+) -> None:
     """The command line's run (or sweep): `entry`, a Hydra main (dtrain.sft's hydra_main unless
-    given), with `embedded` (an experiment) added when it names no model, no data and no experiment."""
+    given), with `embedded` (an experiment) added when it names no model, no data and no experiment,
+    composed on `schema`."""
+    # Registered again here: ConfigStore is one per process, and importing another entry point
+    # (dtrain.dpo, dtrain.estimate) after this module replaced the schema this command composes.
+    register(schema, default_precision)
     die_with_launcher()  # under torchrun: never outlive it
     with scheduler_signals_held():  # a SIGTERM while starting: save after the first step, exit 75
         run_command(entry or hydra_main, embedded)

@@ -467,3 +467,17 @@ def test_the_seed_figures_the_docs_quote_are_the_plan(runs):
         quoted = figure("docs/estimate.md", row)
         for written, value in zip(quoted, values, strict=True):
             assert rounds_to(written, value), (name, quoted, values)
+
+
+def test_a_plan_composes_after_another_entry_point_registered_its_schema():
+    """Hydra's ConfigStore is one per process: dtrain.dpo and dtrain.sft register their schema as
+    dtrain_schema on import, which replaced the planner's for a later compose in the same process
+    (a test order failed on it: "Could not override 'estimate.world_size'"). Each entry point now
+    registers its own when it composes."""
+    from dtrain.config import PreferenceConfig
+    from dtrain.estimate.app import compose
+    from dtrain.hydra_glue import register
+
+    register(PreferenceConfig, lambda: "fp32")  # what importing dtrain.dpo last does
+    config = compose(["estimate.world_size=4"])
+    assert config.estimate.world_size == 4

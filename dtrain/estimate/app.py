@@ -21,8 +21,15 @@ from dtrain.estimate.planner import plan, suggest
 from dtrain.estimate.report import to_json, to_table
 from dtrain.hydra_glue import CONF, fail, fit_embedded_default, register, with_embedded_defaults
 
-# Plans are for GPUs: the embedded default's precision is what it would be on CUDA.
-register(PlanConfig, lambda: "bf16")
+
+def use_plan_schema() -> None:
+    """PlanConfig as the schema Hydra composes (again at each compose: ConfigStore is one per process,
+    and importing another entry point, dtrain.sft or dtrain.dpo, replaces it). Plans are for GPUs:
+    the embedded default's precision is what it would be on CUDA."""
+    register(PlanConfig, lambda: "bf16")
+
+
+use_plan_schema()
 
 # Nothing to write: run and sweep folders are the current one, with no .hydra/ and no log files
 # (a --multirun sweep still leaves Hydra's multirun.yaml there).
@@ -42,6 +49,7 @@ def compose(overrides: list[str]) -> PlanConfig:
     from hydra import initialize_config_dir
 
     overrides = with_embedded_defaults(overrides)
+    use_plan_schema()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = hydra_compose(config_name="config", overrides=overrides)
         return to_plan_config(cfg, overrides)
@@ -81,5 +89,6 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    use_plan_schema()
     sys.argv[1:] = with_embedded_defaults(sys.argv[1:]) + QUIET_HYDRA
     hydra_main()
