@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.optim.lr_scheduler import LRScheduler
-from transformers import get_scheduler
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from dtrain.config import OptimConfig
 from dtrain.parallel.experts import experts_modules
@@ -56,13 +58,47 @@ def build_optimizer(model: nn.Module, settings: OptimConfig) -> torch.optim.Opti
     )
 
 
+# transformers' schedules (transformers/optimization.py, get_scheduler), the same float operations in
+# the same order, so every step's learning rate is bit for bit theirs (tests/test_optim.py compares
+# them): importing transformers.optimization imports its trainer utilities and, through them, peft
+# and bitsandbytes where installed, about a second at every process start of every rank.
+def _warmup(step: int, warmup: int) -> float:
+    return float(step) / float(max(1, warmup))
+
+
+def _constant(step: int) -> float:
+    return 1.0
+
+
+def _constant_with_warmup(step: int, *, warmup: int) -> float:
+    return float(step) / float(max(1.0, warmup)) if step < warmup else 1.0
+
+
+def _linear(step: int, *, warmup: int, total: int) -> float:
+    if step < warmup:
+        return _warmup(step, warmup)
+    return max(0.0, float(total - step) / float(max(1, total - warmup)))
+
+
+def _cosine(step: int, *, warmup: int, total: int) -> float:
+    if step < warmup:
+        return _warmup(step, warmup)
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))  # half a cycle
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, settings: OptimConfig, max_steps: int) -> LRScheduler:
-    return get_scheduler(
-        settings.schedule,
-        optimizer,
-        num_warmup_steps=settings.warmup_steps,
-        num_training_steps=max_steps,
-    )
+    """optim.schedule as transformers' get_scheduler builds it (a LambdaLR of a partial function)."""
+    warmup = settings.warmup_steps
+    factors = {
+        "constant": _constant,  # no warm-up, as transformers' constant schedule
+        "constant_with_warmup": functools.partial(_constant_with_warmup, warmup=warmup),
+        "linear": functools.partial(_linear, warmup=warmup, total=max_steps),
+        "cosine": functools.partial(_cosine, warmup=warmup, total=max_steps),
+    }
+    if settings.schedule not in factors:
+        raise ValueError(f"optim.schedule={settings.schedule!r}: one of {sorted(factors)}")
+    return LambdaLR(optimizer, factors[settings.schedule])
 
 
 @torch.no_grad()
