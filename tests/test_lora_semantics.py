@@ -21,7 +21,7 @@ from dtrain.config import LoraConfig, ModelConfig
 from dtrain.model import build_meta_model, materialize
 from dtrain.parallel import lora
 from dtrain.parallel.parallelize import apply_activation_checkpointing, decoder_layers
-from tests.helpers import save_user_model
+from tests.helpers import peft_saved_name, save_user_model
 from tests.tolerance import assert_close, assert_logits_close
 
 R, ALPHA, SEED = 8, 16.0, 3
@@ -136,9 +136,7 @@ def test_dropout_rescales_as_torch_dropout_in_peft(folder, monkeypatch):
     (ours.float().pow(2).mean()).backward()
     (theirs.float().pow(2).mean()).backward()
     peft_grads = {
-        lora.PEFT_PREFIX + name.removeprefix("base_model.model.").replace(".default", ""): param.grad
-        for name, param in peft.named_parameters()
-        if param.requires_grad
+        peft_saved_name(name): param.grad for name, param in peft.named_parameters() if param.requires_grad
     }
     ours_grads = {name: param.grad for name, param in lora.adapter_parameters(model).items()}
     for name, grad in ours_grads.items():
@@ -202,7 +200,7 @@ def test_init_draws_a_from_peft_s_distribution(folder, init):
     samples = []
     for model in (peft, other):
         state = {
-            lora.PEFT_PREFIX + name.removeprefix("base_model.model.").replace(".default", ""): param.detach()
+            peft_saved_name(name): param.detach()
             for name, param in model.named_parameters()
             if param.requires_grad
         }
