@@ -69,8 +69,17 @@ class Parallel:
 
     @property
     def mesh(self) -> DeviceMesh:
-        """The parameters' mesh: every parameter is a DTensor on it (on "fsdp" alone at tp = 1)."""
+        """The parameters' mesh: every parameter is a DTensor on it (on "fsdp" alone at tp = 1), where
+        FSDP shards (`sharded`); else on "tp" alone, or plain tensors at tp = 1."""
         return self.meshes["params"]
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP has ranks to shard over (dp_replicate × dp_shard × cp > 1). Where it has none
+        (one process, or tp alone) parameters are not wrapped by fully_shard, as torchtitan does:
+        FSDP at one rank shards nothing and only costs (its hooks, the copies into its unsharded
+        buffers and through its reduce buffer, DTensor dispatch in the optimizer)."""
+        return self.meshes["fsdp"].size() > 1
 
     @property
     def token_group(self) -> dist.ProcessGroup:

@@ -75,10 +75,23 @@ def fused_linear_cross_entropy(
     Gradients reach `weight` (a DTensor gradient with its placements) and `hidden` through the
     differentiable to_local(), so FSDP2's reduce-scatter and tied embeddings see them as usual."""
     layout = head_layout(hidden, weight, vocab_size)
+    local_hidden, local_weight = _local_operands(hidden, weight)
+    grads = torch.is_grad_enabled() and (local_hidden.requires_grad or local_weight.requires_grad)
+    with torch.autocast(local_hidden.device.type, enabled=False):  # the dtypes are set: _local_operands
+        return _FusedLinearCrossEntropy.apply(local_hidden, local_weight, labels, layout, chunk, grads)
+
+
+def _local_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local hidden states and head weight, in the one dtype the head computes in: autocast's
+    where it is on (a bf16 run without FSDP: parallelize.apply_autocast), else the weight's (fp32, or
+    FSDP's gathered bf16). Without FSDP the hidden states may be fp32 (autocast's residual stream)
+    and the head bf16 (a frozen LoRA base). The casts are autograd's: gradients come back in each
+    operand's own dtype."""
     local_hidden = hidden.to_local() if isinstance(hidden, DTensor) else hidden
     local_weight = weight.to_local() if isinstance(weight, DTensor) else weight
-    grads = torch.is_grad_enabled() and (local_hidden.requires_grad or local_weight.requires_grad)
-    return _FusedLinearCrossEntropy.apply(local_hidden, local_weight, labels, layout, chunk, grads)
+    device = local_hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else local_weight.dtype
+    return local_hidden.to(dtype), local_weight.to(dtype)
 
 
 class FusedLinearCrossEntropy(nn.Module):
@@ -142,9 +155,9 @@ def fused_token_logps(
     matmuls a token where the fused loss has 3; about 2·hidden·vocab FLOPs a token, some 2 % of a
     Llama-3-8B step) and forms g · (one-hot − softmax) in that chunk's buffer."""
     layout = head_layout(hidden, weight, vocab_size)
-    local_hidden = hidden.to_local() if isinstance(hidden, DTensor) else hidden
-    local_weight = weight.to_local() if isinstance(weight, DTensor) else weight
-    return _FusedTokenLogProbs.apply(local_hidden, local_weight, labels, layout, chunk)
+    local_hidden, local_weight = _local_operands(hidden, weight)
+    with torch.autocast(local_hidden.device.type, enabled=False):  # the dtypes are set: _local_operands
+        return _FusedTokenLogProbs.apply(local_hidden, local_weight, labels, layout, chunk)
 
 
 class _FusedTokenLogProbs(torch.autograd.Function):

@@ -22,7 +22,7 @@ from dtrain import attention
 from dtrain.config import Config, ConfigError, LoraConfig, ModelConfig
 from dtrain.distributed import Parallel
 from dtrain.parallel import experts, fused, lora, phi3, qlora, vocab
-from dtrain.parallel.parallelize import parallelize
+from dtrain.parallel.parallelize import keep_gradient_placements, parallelize
 
 # Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
 ARCHITECTURES = Path(__file__).parent / "assets" / "architectures"
@@ -189,9 +189,21 @@ def materialize(
 
 def allocate(model: nn.Module, device: torch.device) -> None:
     """This rank's shards on `device`, not yet filled (weights come next: HF files, the seeded init or a
-    checkpoint); the rotary buffers, which no file holds, computed."""
+    checkpoint); the rotary buffers, which no file holds, computed. Tied weights stay one parameter:
+    to_empty makes a new Parameter per module for plain meta tensors (no FSDP on one process), so
+    each module's is set back to the first one's."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, name))
     model.to_empty(device=device)
+    for shared in places.values():
+        first = getattr(*shared[0])
+        for module, name in shared[1:]:
+            setattr(module, name, first)
     reset_rotary_buffers(model, device)
+    keep_gradient_placements(model)
 
 
 def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:

@@ -25,6 +25,7 @@ from dtrain.loss import (
 )
 from dtrain.optim import clip_grads, global_grad_norm
 from dtrain.parallel.context import CONTEXT_KWARG, shard_sequence
+from dtrain.parallel.parallelize import compute_precision
 from dtrain.parallel.router import RouterStats
 
 
@@ -92,9 +93,10 @@ def summed_loss(
     if loss_impl not in ("chunked", "fused"):
         raise ValueError(f"loss_impl={loss_impl!r}: must be dense, chunked or fused")
     hidden, head = final_hidden_states(model, inputs)
-    if loss_impl == "chunked":
-        return chunked_summed_cross_entropy(head, hidden, labels, loss_chunk)
-    return FusedLinearCrossEntropy(loss_chunk, model.config.vocab_size)(hidden, head.weight, labels)
+    with compute_precision(model):  # the head in the forward's precision (bf16 under autocast)
+        if loss_impl == "chunked":
+            return chunked_summed_cross_entropy(head, hidden, labels, loss_chunk)
+        return FusedLinearCrossEntropy(loss_chunk, model.config.vocab_size)(hidden, head.weight, labels)
 
 
 def model_inputs(model: torch.nn.Module, micro_batch: dict[str, Any]) -> dict[str, Any]:

@@ -213,6 +213,11 @@ def sharded_model(config: Config, device: torch.device) -> torch.nn.Module:
     return build_model(model_config, config, build_parallel(shape, device), device)
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor gathered, a plain tensor (one process: no TP, no FSDP) as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def full_logits(model: torch.nn.Module) -> torch.Tensor:
     """Logits of fixed_batch() from a sharded model, gathered."""
     ids = fixed_batch()
@@ -540,12 +545,18 @@ def check_sharding(
     """Parameters, gradients and AdamW states (exp_avg and exp_avg_sq required on every parameter,
     with its step): DTensors on the one mesh with the parameter's placements. The mesh: dp_replicate
     (HSDP, where replicate > 1), then the FSDP axis (dp_shard, or dp_shard_cp where cp > 1: FSDP
-    shards over dp_shard × cp), then tp; at tp = 1 no TP is applied and there is no tp axis. Each
-    parameter is replicated over dp_replicate, sharded over the FSDP axis, each local shard at most
-    ceil(numel / (dp·cp·tp)) where tp shards it, else ceil(numel / (dp·cp)); the embedding, lm_head
-    and projections are sharded over tp."""
+    shards over dp_shard × cp), then tp; at tp = 1 no TP is applied and there is no tp axis. Where
+    FSDP has one rank (dp_replicate × dp_shard × cp = 1) it is not applied: no FSDP axis, and at
+    tp = 1 every one of them a plain tensor. Each parameter is replicated over dp_replicate, sharded
+    over the FSDP axis, each local shard at most ceil(numel / (dp·cp·tp)) where tp shards it, else
+    ceil(numel / (dp·cp)); the embedding, lm_head and projections are sharded over tp."""
     fsdp = "dp_shard_cp" if cp > 1 else "dp_shard"
-    names = (*(("dp_replicate",) if replicate > 1 else ()), fsdp, *(("tp",) if tp > 1 else ()))
+    sharded = replicate * dp * cp > 1
+    names = (
+        *(("dp_replicate",) if replicate > 1 else ()),
+        *((fsdp,) if sharded else ()),
+        *(("tp",) if tp > 1 else ()),
+    )
     shards = dp * cp
     for name, param in model.named_parameters():
         # .get, not [...]: optimizer.state is a defaultdict, and a parameter without state must fail
@@ -554,15 +565,22 @@ def check_sharding(
         assert not missing, f"{name} has no AdamW {sorted(missing)}"
         moments = [(key, states[key]) for key in ("exp_avg", "exp_avg_sq")]
         for label, tensor in [("param", param), ("grad", param.grad), *moments]:
+            if not names:  # one process: neither TP nor FSDP
+                assert type(tensor.data) is torch.Tensor, f"{label} of {name} is a {type(tensor.data)}"
+                assert tensor.shape == param.shape, f"{label} of {name}: {tuple(tensor.shape)}"
+                continue
             assert isinstance(tensor, DTensor), f"{label} of {name} is not a DTensor"
             assert tuple(tensor.device_mesh.mesh_dim_names) == names, (
                 f"{label} of {name}: {tensor.device_mesh}"
             )
             assert tensor.placements == param.placements, f"{label} of {name}: {tensor.placements}"
+        if not names:
+            continue
         placements = dict(zip(names, param.placements, strict=True))
         if replicate > 1:
             assert placements["dp_replicate"] == Replicate(), f"{name}: {param.placements}"
-        assert isinstance(placements[fsdp], SHARDS), f"{name}: {param.placements}"
+        if sharded:
+            assert isinstance(placements[fsdp], SHARDS), f"{name}: {param.placements}"
         tp_sharded = tp > 1 and isinstance(placements["tp"], SHARDS)
         bound = math.ceil(param.numel() / (shards * tp if tp_sharded else shards))
         assert param.to_local().numel() <= bound, f"{name}: {param.to_local().numel()} > {bound}"

@@ -24,7 +24,7 @@ def runs(tmp_path_factory):
     tied = save_tiny_llama(root / "tied", tied=True, seed=2)
     save_tiny_llama(root / "sharded", tied=False, seed=3, max_shard_size="100KB")
     args = ["--out", str(root), "--untied", str(untied), "--tied", str(tied)]
-    for nproc in (4, 1):
+    for nproc in (1, 4, 1):  # the first writes a 1×1 checkpoint the others resume (checkpoint_runs)
         result = run_worker(nproc, "checkpoint_runs", *args)
         assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
     saved = {path.stem: torch.load(path) for path in root.glob("*.pt")}
@@ -47,15 +47,28 @@ def test_checkpoint_folder_is_complete(runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name,rtol", [("resume_2x2", 1e-6), ("resume_1x4", 1e-5), ("resume_4x1", 1e-5), ("resume_1x1", 1e-5)]
+    "name,rtol,start",
+    [
+        ("resume_2x2", 1e-6, 4),
+        ("resume_1x4", 1e-5, 4),
+        ("resume_4x1", 1e-5, 4),
+        ("resume_1x1", 1e-5, 4),
+        # written without FSDP (plain tensors on 1×1, tp's DTensors on 1×4), read with it and back
+        ("resume_2x2_from_1x1", 1e-5, 4),
+        ("resume_1x4_from_1x1", 1e-5, 4),
+        ("resume_2x2_from_1x4", 1e-5, 6),
+        ("resume_1x1_from_1x4", 1e-5, 6),
+    ],
 )
-def test_resume_continues_the_uninterrupted_curve(runs, name, rtol):
+def test_resume_continues_the_uninterrupted_curve(runs, name, rtol, start):
+    """A checkpoint of step `start` (2×2's, 1×1's or 1×4's: see checkpoint_runs) resumed on another
+    mesh continues the uninterrupted 2×2 run: loss, grad norm and learning rate of every later step."""
     _, saved = runs
     full = saved["full"]["history"]
     resumed = saved[name]["history"]
-    assert [h["step"] for h in resumed] == [5, 6, 7, 8]
-    assert losses(resumed, range(5, 9)) == pytest.approx(losses(full, range(5, 9)), rel=rtol)
-    for a, b in zip(resumed, full[4:], strict=True):
+    assert [h["step"] for h in resumed] == list(range(start + 1, 9))
+    assert losses(resumed, range(start + 1, 9)) == pytest.approx(losses(full, range(start + 1, 9)), rel=rtol)
+    for a, b in zip(resumed, full[start:], strict=True):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=rtol)
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)  # the schedule resumed too
 

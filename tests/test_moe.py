@@ -63,6 +63,7 @@ from tests.workers.moe_runs import (
     EXPORTED_FAMILY,
     FAMILY_STEPS,
     GLOBAL_MICRO_BATCH,
+    NO_FSDP,
     SCOPE_RUNS,
     SCOPE_STEPS,
     moe_config,
@@ -95,8 +96,9 @@ def runs(model_dir, model_without_aux, families, tmp_path_factory):
     args += ["--families", str(next(iter(families.values())).parent)]
     # while developing: DTRAIN_MOE_ONLY=ep2_tp2,gpt_oss runs only those (the other tests then fail)
     args += ["--only", os.environ.get("DTRAIN_MOE_ONLY", "")]
-    result = run_worker(4, "moe_runs", *args, timeout=400)
-    assert result.returncode == 0, result.stdout[-6000:]
+    for world in (4, 2, 1):  # 2 and 1: the meshes without FSDP (moe_runs.NO_FSDP)
+        result = run_worker(world, "moe_runs", *args, timeout=400)
+        assert result.returncode == 0, result.stdout[-6000:]
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 
 
@@ -114,10 +116,11 @@ def ref(model_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", [*SCENARIOS, *NO_FSDP])
 def test_loss_aux_loss_grad_norm_and_weights_match_single_process_hf(runs, ref, name):
     """The default scope: every step's loss (HF's: token mean + coef · the mean of its micro-steps'
-    aux_loss), grad norm and aux loss, and the final weights, at test_parity's tolerances."""
+    aux_loss), grad norm and aux loss, and the final weights, at test_parity's tolerances; also on
+    1×1 and tp 2 alone, where no FSDP wraps the model (moe_runs.NO_FSDP)."""
     history = runs[name]["history"]
     assert_matches_reference(history, runs[name]["params"], ref, name)
     assert ref["aux_losses"][0] > 1.0  # top-2 of 8: about 2 when balanced; a real share of the loss
@@ -260,16 +263,17 @@ def test_export_loads_in_transformers_with_the_trained_logits(runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ep2_dp2", "ep4"])
+@pytest.mark.parametrize("name", ["ep2_dp2", "ep4", *NO_FSDP])
 def test_planned_model_state_is_the_real_runs_byte_for_byte(runs, model_dir, name):
-    """dtrain.estimate on the same config and world (fake tensors, a fake process group of 4): its
+    """dtrain.estimate on the same config and world (fake tensors, a fake process group of 4, or of
+    2 and 1 without FSDP): its
     sharded parameters + buffers, gradients and AdamW states per rank equal, byte for byte, what the
     real gloo run's tensors hold on every rank (counted by the worker from their storages, nothing
     of the planner's), and each rank holds 1/(ep × efsdp) of the expert weights. The reference is
     dtrain's real run on purpose: the planner predicts dtrain's own sharding, which the tests above
     check against HF (and check_expert_sharding checks shard by shard)."""
-    dp, tp, ep = MESHES[name]
-    plan = planner.plan(moe_config(model_dir, dp, tp, ep), 4, attention_backend="sdpa")
+    dp, tp, ep = {**MESHES, **NO_FSDP}[name]
+    plan = planner.plan(moe_config(model_dir, dp, tp, ep), dp * tp, attention_backend="sdpa")
     planned = {"params": plan.step.params, "grads": plan.step.grads, "optimizer": plan.step.optimizer}
     for rank, real in enumerate(runs[name]["state_bytes"]):
         assert real == planned, f"{name}: rank {rank}"

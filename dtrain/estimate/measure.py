@@ -1,5 +1,7 @@
-"""One training step under torch's `FSDPMemTracker`: the same measurement for a fake run (the
-planner) and a real one (the tests, the GPU check), so the two can be compared number for number.
+"""One training step under torch's `FSDPMemTracker`, or its `MemTracker` for a model without FSDP
+(one process, or tensor parallel alone: parallelize applies no fully_shard there): the same
+measurement for a fake run (the planner) and a real one (the tests, the GPU check), so the two can be
+compared number for number.
 
 The step is the trainer's own (the objective's `begin_step`, its `micro_step` per micro-batch, then
 `optimizer_step`). The caller runs one warm-up step first, outside the tracker: DTensor's first run
@@ -14,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState, _FSDPRefType
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
@@ -21,10 +25,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dtrain.fused_loss import FusedLinearCrossEntropy
 from dtrain.model import canonical_name
 from dtrain.objective import Objective
-from dtrain.parallel.parallelize import reshard
+from dtrain.parallel.parallelize import decoder_layers, reshard
 from dtrain.step import optimizer_step
 
-_R, _S = _FSDPRefType, _FSDPModState  # the tracker's categories and module states
+_R, _S = _FSDPRefType, _FSDPModState  # FSDPMemTracker's categories and module states
+_M = _MemRefType  # MemTracker's categories
 TOTAL = "Total"
 
 # How the report groups the tracker's categories at the peak (every category in exactly one group).
@@ -36,6 +41,18 @@ PEAK_GROUPS = {
     "activations": (_R.ACT, _R.INP),
     "temporaries": (_R.TEMP, _R.UNSHARDED_GRAD, _R.REDUCE_SCATTER),
 }
+# The same groups of MemTracker's categories (no FSDP: nothing gathered; the inputs are "Other").
+PLAIN_GROUPS = {
+    "params": (_M.PARAM, _M.BUFFER),
+    "grads": (_M.GRAD,),
+    "optimizer": (_M.OPT,),
+    "unsharded_params": (),
+    "activations": (_M.ACT, _M.OTH),
+    "temporaries": (_M.TEMP,),
+}
+# (before forward, after forward, peak forward, peak backward) in each tracker's module states
+FSDP_STATES = (_S.BEF_PRE_FW, _S.AFT_POST_FW, _S.PEAK_FW, _S.PEAK_BW)
+PLAIN_STATES = (_ModState.PRE_FW, _ModState.POST_FW, _ModState.PEAK_FW, _ModState.PEAK_BW)
 
 
 @dataclass
@@ -103,18 +120,62 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return local.untyped_storage().nbytes()
 
 
-def _harvest(tracker: FSDPMemTracker, modules: dict[str, ModulePeak]) -> None:
-    """Fold the tracker's per-module snapshots of one micro-batch into `modules` (max over them)."""
-    for stats in tracker.memory_tracking.values():
+def _harvest(tracker: MemTracker, modules: dict[str, ModulePeak], tracked: set[int]) -> None:
+    """Fold the tracker's per-module snapshots of one micro-batch into `modules` (max over them): the
+    modules of `tracked` (ids: FSDP's, or without FSDP those it would wrap, the root and the decoder
+    layers; MemTracker follows every module)."""
+    fsdp = isinstance(tracker, FSDPMemTracker)
+    before, after, peak_forward, peak_backward = FSDP_STATES if fsdp else PLAIN_STATES
+    activation = _R.ACT if fsdp else _M.ACT
+    for module, stats in tracker.memory_tracking.items():
+        if id(module) not in tracked:
+            continue
         name = canonical_name(stats.mod_fqn).removeprefix("FSDP")  # fully_shard renames the root class
         entry = modules.setdefault(name, ModulePeak(name))
         snaps = stats.snapshots
-        for state, attr in ((_S.PEAK_FW, "peak_forward"), (_S.PEAK_BW, "peak_backward")):
+        for state, attr in ((peak_forward, "peak_forward"), (peak_backward, "peak_backward")):
             for snap in snaps.get(state, []):
                 setattr(entry, attr, max(getattr(entry, attr), _total(snap, TOTAL)))
-        if snaps.get(_S.BEF_PRE_FW) and snaps.get(_S.AFT_POST_FW):
-            kept = _total(snaps[_S.AFT_POST_FW][0], _R.ACT) - _total(snaps[_S.BEF_PRE_FW][0], _R.ACT)
+        if snaps.get(before) and snaps.get(after):
+            kept = _total(snaps[after][0], activation) - _total(snaps[before][0], activation)
             entry.activations = max(entry.activations, kept)
+
+
+def tracker_for(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: tuple) -> MemTracker:
+    """FSDPMemTracker for a model FSDP shards; MemTracker without FSDP, told of the parameters,
+    buffers, optimizer state and inputs held before it starts (FSDPMemTracker finds FSDP's own)."""
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs(inputs)
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer, *(t for mb in inputs for t in mb.values()))
+        # MemTracker hooks every parameter's gradient at its module's first forward (private:
+        # _param_to_grad_hook_handles). A frozen one (LoRA's base) refuses a hook: marked hooked.
+        for param in model.parameters():
+            if not param.requires_grad:
+                tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        # The others from the start: lm_head's is outside the model's forward under the chunked and
+        # fused losses (loss.head_detached), where it would get none.
+        tracker._track_module_params_and_buffers(model, install_grad_hooks=True)
+    tracker.memory_tracking = _ModuleStats()
+    return tracker
+
+
+class _NoHook:
+    """The handle of a gradient hook never registered (a frozen parameter's): nothing to remove."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
+def _tracked_modules(model: nn.Module) -> set[int]:
+    if isinstance(model, FSDPModule):
+        return {id(module) for module in model.modules() if isinstance(module, FSDPModule)}
+    return {id(model), *(id(layer) for layer in decoder_layers(model))}
 
 
 def _peak_phase(peak: int, peak_before_optimizer: int, modules: list[ModulePeak]) -> str:
@@ -142,12 +203,12 @@ def track_step(
     count as inputs: the trainer holds them all. A frozen reference model (dpo.reference=live) is
     not the tracker's: its sharded weights are counted here, alive for the whole step."""
     params = list(model.parameters())
-    tracker = FSDPMemTracker(model, optimizer)
-    tracker.memory_tracking = _ModuleStats()
+    tracker = tracker_for(model, optimizer, tuple(micro_batches))
+    groups = PEAK_GROUPS if isinstance(tracker, FSDPMemTracker) else PLAIN_GROUPS
     # Flex attention is a higher-order operator: the tracker lets it through its __torch_dispatch__
     # (torch's switch for a dispatch mode) and counts its outputs as any op's.
     tracker.supports_higher_order_operators = True
-    tracker.track_inputs(tuple(micro_batches))
+    tracked = _tracked_modules(model)
     logits: list[int] = []
     hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(_local_bytes(out)))
     modules: dict[str, ModulePeak] = {}
@@ -163,9 +224,9 @@ def track_step(
                 if index:  # the tracker follows one forward per module: start its module stats afresh
                     tracker.reset_mod_stats()
                 objective.micro_step(micro_batch)
-                _harvest(tracker, modules)
+                _harvest(tracker, modules, tracked)
             peak_before_optimizer = _total(tracker.get_tracker_snapshot("peak"), TOTAL)
-            grads = _total(tracker.get_tracker_snapshot("current"), _R.SHARDED_GRAD)
+            grads = sum(_total(tracker.get_tracker_snapshot("current"), key) for key in groups["grads"])
             optimizer_step(optimizer, params, max_grad_norm)
             current = tracker.get_tracker_snapshot("current")
     finally:
@@ -174,14 +235,14 @@ def track_step(
     peak_snapshot = tracker.get_tracker_snapshot("peak")
     peak = _total(peak_snapshot, TOTAL)
     phase = _peak_phase(peak, peak_before_optimizer, list(modules.values()))
-    at_peak = {group: sum(_total(peak_snapshot, key) for key in keys) for group, keys in PEAK_GROUPS.items()}
+    at_peak = {group: sum(_total(peak_snapshot, key) for key in keys) for group, keys in groups.items()}
     assert sum(at_peak.values()) == peak, (at_peak, peak)  # no category of the tracker left out
     reference = sum(_local_bytes(tensor) for frozen in objective.frozen for tensor in frozen.parameters())
     at_peak["reference"] = reference
     return StepMemory(
-        params=_total(current, _R.SHARDED_PARAM) + _total(current, _R.BUFFER),
+        params=sum(_total(current, key) for key in groups["params"]),
         grads=grads,
-        optimizer=_total(current, _R.OPT),
+        optimizer=sum(_total(current, key) for key in groups["optimizer"]),
         reference=reference,
         peak=peak + reference,
         at_peak=at_peak,
@@ -199,7 +260,7 @@ class _LossProbe:
     module hooks on FusedLinearCrossEntropy restart the tracker's peak (private: _peak_mem,
     _peak_mem_snap) at the loss's start and put back the step's peak when that was higher."""
 
-    def __init__(self, tracker: FSDPMemTracker) -> None:
+    def __init__(self, tracker: MemTracker) -> None:
         self.tracker, self.transients = tracker, []
         self.handles = [
             register_module_forward_pre_hook(self._before),

@@ -118,8 +118,9 @@ def _layer_bytes(model: nn.Module, computed: dict[str, int]) -> dict[str, dict[s
     pairs = (("embedding", model.get_input_embeddings()), ("lm_head", model.get_output_embeddings()))
     for name, module in pairs:
         weight = module.weight
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
         out[name] = {
-            "local": weight.to_local().untyped_storage().nbytes(),
+            "local": local.untyped_storage().nbytes(),
             "total": weight.numel() * weight.element_size(),
         }
     return out | _expert_bytes(model, computed)

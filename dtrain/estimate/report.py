@@ -22,6 +22,12 @@ AT_PEAK_LABELS = {
 }
 
 
+def _tracker(shape: Any) -> str:
+    """FSDP shards over dp_replicate × dp_shard × cp; with one such rank it is not applied
+    (distributed.Parallel.sharded) and torch's MemTracker follows the step."""
+    return "FSDPMemTracker" if shape.dp * shape.cp > 1 else "MemTracker (no FSDP at one dp rank)"
+
+
 def _model_state(plan: Plan) -> int:
     return plan.step.params + plan.step.grads + plan.step.optimizer + plan.step.reference
 
@@ -149,8 +155,8 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         f"{plan.accumulation} micro-batches "
         f"per step (tracked {step.micro_batches}) | planned in {plan.seconds:.0f} s",
         "",
-        f"per rank, {unit} (planned: the trainer's step on fake tensors, tracked by FSDPMemTracker, after a "
-        "warm-up step)",
+        f"per rank, {unit} (planned: the trainer's step on fake tensors, tracked by {_tracker(shape)}, "
+        "after a warm-up step)",
         row("model state between steps", _model_state(plan)),
         row("  sharded parameters + buffers", step.params),
         row("  sharded gradients", step.grads),

@@ -125,11 +125,15 @@ class LoraLinear(nn.Linear):
     bypassed = False  # adapters_bypassed(): the base Linear alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result = F.linear(x, self.weight, self.bias)
+        result = self.base(x)
         if self.bypassed:
             return result
         lora_x = self._dropout(x.to(self.lora_A.weight.dtype)) if self.dropout > 0 else x
         return result + F.linear(F.linear(lora_x, self.lora_A.weight), self.lora_B.weight) * self.scaling
+
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen base Linear's output (QLoRA's NF4 base: dtrain.parallel.qlora.QLoraLinear)."""
+        return F.linear(x, self.weight, self.bias)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         """Inverted dropout with a mask every tp rank of the group draws alike: from a generator

@@ -1,17 +1,21 @@
 """Apply, in this order: tensor parallel (every parameter covered; skipped at tp = 1) → re-tie
 embeddings → LoRA adapters (lora.r > 0: laid out by each base layer's TP style; with
 lora.base_dtype=nf4 their base weights stored as NF4, dtrain/parallel/qlora.py) → activation
-checkpointing → torch.compile per decoder layer → FSDP2 per decoder layer
-and root. Then check that every parameter is a DTensor on the one mesh.
+checkpointing → torch.compile per decoder layer → FSDP2 per decoder layer and root, where FSDP has
+ranks to shard over (Parallel.sharded; else bf16 runs compute under autocast). Then check that every
+parameter is on the one mesh: a DTensor on (dp, tp), on tp alone without FSDP, or a plain tensor on
+one process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
@@ -42,6 +46,9 @@ TP_PLANS = {
     "granite": llama,  # the multipliers are scalars in HF's forward, linear or pointwise on shards
 }
 
+# Set by apply_autocast on a model that computes in bf16 under torch.autocast: the device type.
+AUTOCAST = "dtrain_autocast"
+
 # activation_checkpointing=selective keeps these ops' outputs and recomputes the rest (norms,
 # activations, rotary, casts): the matmuls and attention are most of the FLOPs, the rest most of
 # the activation bytes. The reduce-scatter is saved so backward does not repeat TP's communication.
@@ -62,12 +69,25 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     declares unsplittable (`_no_split_modules`). What checkpointing, compile and FSDP wrap one by one."""
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__ in layer_classes:
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module)
+            and type(unwrapped(module[0])).__name__ in layer_classes
+        ):
             return module
     raise ConfigError(
         f"model type {model.config.model_type!r}: no stack of decoder layers "
         f"({', '.join(sorted(layer_classes)) or 'no _no_split_modules'}) found in {type(model).__name__}"
     )
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """A decoder layer without the wrappers activation checkpointing and torch.compile put around it."""
+    while True:
+        inner = getattr(module, "_checkpoint_wrapped_module", None) or getattr(module, "_orig_mod", None)
+        if inner is None:
+            return module
+        module = inner
 
 
 def parallelize(
@@ -103,7 +123,10 @@ def parallelize(
     apply_activation_checkpointing(layers, settings.activation_checkpointing)
     if settings.compile:
         apply_compile(layers, sequence_parallel_norms(model, parallel, settings))
-    apply_fsdp(model, layers, parallel, settings, precision)
+    if parallel.sharded:
+        apply_fsdp(model, layers, parallel, settings, precision)
+    elif precision == "bf16":
+        apply_autocast(model, parallel.device.type)
     check_on_mesh(model, parallel)
     return model
 
@@ -209,9 +232,69 @@ def apply_fsdp(
         set_prefetch(layers, settings.fsdp_prefetch)
 
 
+class _Autocast:
+    """torch.autocast entered by a module's forward pre-hook and left by its forward hook (also when
+    the forward raises): a context of its own per call, so calls nest (lm_head inside the model)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type, self.active = device_type, []
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        context = torch.autocast(self.device_type, dtype=torch.bfloat16)
+        context.__enter__()
+        self.active.append(context)
+
+    def leave(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.active.pop().__exit__(None, None, None)
+
+
+def apply_autocast(model: nn.Module, device_type: str) -> None:
+    """bf16 without FSDP (whose MixedPrecisionPolicy casts the gathered weights): the model's forward
+    and lm_head's (the chunked and fused losses call the head after the forward) run under
+    torch.autocast, as torchtitan and nanoGPT train on one device. The matmuls and attention compute
+    in bf16 from fp32 master weights, the casts' backward hands fp32 gradients to them; the residual
+    stream and the norms stay fp32 (FSDP's bf16 computes them in bf16)."""
+    autocast = _Autocast(device_type)
+    for module in (model, model.lm_head):
+        module.register_forward_pre_hook(autocast.enter)
+        module.register_forward_hook(autocast.leave, always_call=True)
+    setattr(model, AUTOCAST, device_type)
+
+
+def compute_precision(model: nn.Module) -> contextlib.AbstractContextManager:
+    """The autocast apply_autocast gave the model's forward, for a loss that computes the head after
+    it (loss_impl chunked and fused); nothing for a model FSDP casts, or an fp32 run."""
+    device_type = getattr(model, AUTOCAST, None)
+    if device_type is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
+def keep_gradient_placements(model: nn.Module) -> None:
+    """Tensor parallel without FSDP: each gradient laid out as its parameter before it accumulates.
+    DTensor's backward hands some in another layout: partial sums over tp for the weights TP
+    replicates and computes with on sequence shards (the sequence-parallel norms, LoRA's replicated
+    factors, experts), the whole embedding gradient for its vocabulary shard. FSDP redistributes them
+    in its reduce; here a hook per parameter does, per micro-batch as FSDP: the all-reduce of a
+    partial sum, the rows of a vocabulary shard (so no whole embedding gradient stays). Called on
+    the allocated model (to_empty swaps the parameters, and their hooks with them)."""
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        return
+    for param in model.parameters():
+        if param.requires_grad and isinstance(param, DTensor):
+            param.register_hook(functools.partial(_placed_as, param.device_mesh, tuple(param.placements)))
+
+
+def _placed_as(mesh: DeviceMesh, placements: tuple, grad: torch.Tensor) -> torch.Tensor:
+    if not isinstance(grad, DTensor) or tuple(grad.placements) == placements:
+        return grad
+    return grad.redistribute(mesh, placements)
+
+
 def reshard(model: nn.Module) -> None:
     """Free every gathered parameter. FSDP keeps the root gathered after a forward without backward,
-    its module's parameters swapped for the unsharded ones (not the optimizer's)."""
+    its module's parameters swapped for the unsharded ones (not the optimizer's). Without FSDP:
+    nothing to free."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -247,22 +330,28 @@ def check_tp_coverage(model: nn.Module) -> None:
 
 def check_on_mesh(model: nn.Module, parallel: Parallel) -> None:
     """Fail loudly if any parameter is off the training mesh: the whole (dp, tp) mesh, or at tp = 1
-    (no TP applied) the dp mesh alone; with ep > 1, expert parameters on the experts mesh."""
+    (no TP applied) the dp mesh alone; with ep > 1, expert parameters on the experts mesh. Without
+    FSDP (Parallel.sharded false): the tp mesh, or at tp = 1 plain tensors."""
     on_experts = {id(p) for _, m in experts.experts_modules(model) for p in m.parameters()}
     for name, param in model.named_parameters():
+        expected = tuple(parallel_mesh_names(parallel, id(param) in on_experts))
+        if not expected:
+            if isinstance(param, DTensor):
+                raise RuntimeError(f"parameter {name} is a DTensor on {param.device_mesh}, expected a tensor")
+            continue
         if not isinstance(param, DTensor):
             raise RuntimeError(f"parameter {name} is not a DTensor after parallelize")
-        expected = tuple(parallel_mesh_names(parallel, id(param) in on_experts))
         names = tuple(param.device_mesh.mesh_dim_names or ())
         if names != expected:
             raise RuntimeError(f"parameter {name} is on mesh {names}, expected {expected}")
 
 
 def parallel_mesh_names(parallel: Parallel, expert: bool) -> tuple[str, ...]:
-    """The mesh axes a parameter lives on: the parameters' mesh (without tp at tp = 1), or with ep > 1
-    an expert parameter's (dp_replicate,) efsdp, ep (, tp)."""
+    """The mesh axes a parameter lives on: the parameters' mesh (without tp at tp = 1, without the
+    FSDP axes where FSDP has nothing to shard), or with ep > 1 an expert parameter's (dp_replicate,)
+    efsdp, ep (, tp)."""
     if expert and parallel.ep_size > 1:
         names = parallel["experts"].mesh_dim_names
     else:
-        names = parallel.mesh.mesh_dim_names
+        names = parallel.mesh.mesh_dim_names if parallel.sharded else ("tp",)
     return tuple(name for name in names if name != "tp" or parallel.tp_size > 1)

@@ -11,6 +11,11 @@ piece and returns the dequantized piece: the module computes with a plain weight
 activation checkpointing see nothing else), which FSDP frees after forward and gathers again for
 backward.
 
+Without FSDP (one process, or tensor parallel alone: parallelize applies no fully_shard) nothing
+gathers: the parameter stays NF4 and its module (QLoraLinear) dequantizes the tp-local piece for the
+matmul, in forward and again in backward (`nf4_linear`), so no dense weight outlives its matmul, as
+with FSDP.
+
 Weights come in a decoder layer at a time, dense in the training precision, and are quantized on
 each rank's shard (`quantize_`): the ranks agree on each block's absmax with one all-reduce (max)
 over the whole weight's absmax values, 1/64 of the weight; the double quantization runs on those on
@@ -20,10 +25,12 @@ bit for bit on every mesh.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -97,16 +104,16 @@ class NF4Tensor(torch.Tensor):
         if handler is None:
             raise NotImplementedError(
                 f"{func} on an NF4 base weight: lora.base_dtype=nf4 stores it for FSDP's all-gather, "
-                "which returns it dequantized; compute with that"
+                "which returns it dequantized, or for QLoraLinear, which dequantizes it; compute with that"
             )
         return handler(*args, **kwargs)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """These rows, dense, in `dtype` (default: this tensor's)."""
-        out = torch.empty(self.shape, dtype=dtype or self.dtype, device=self.device)
-        return nf4.dequantize_rows(
-            self.codes, self.scales, self.state2, self.offset, self.piece, self.first, out
-        )
+        """These rows, dense, in `dtype` (default: this tensor's): one operator (dequantize_op), which
+        torch.compile keeps whole in a compiled layer."""
+        piece = self.piece
+        layout = [*piece.shape, *piece.origin, piece.cols, piece.part_row]
+        return dequantize_op(self.packed, self.state2, self.offset, layout, self.first, dtype or self.dtype)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # noqa: ANN001, ANN201
         """FSDP gathers the bytes: packed codes and scale codes, one uint8 tensor (FSDP2 takes one
@@ -135,6 +142,39 @@ class NF4Tensor(torch.Tensor):
 
 def _code_bytes(layout: nf4.Layout) -> int:
     return -(layout.cols // -2)
+
+
+@torch.library.custom_op("dtrain::nf4_dequantize", mutates_args=())
+def dequantize_op(
+    packed: torch.Tensor,
+    state2: torch.Tensor,
+    offset: torch.Tensor,
+    layout: list[int],
+    first: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """NF4Tensor.dequantize on its plain tensors: `packed` (rows, code bytes + slots), the piece's
+    Layout as [whole rows, whole cols, origin row, origin col, cols, part_row], `first` its first
+    row. An operator of its own: torch.compile traces no NF4 arithmetic (its lookup tables are
+    constants it would not see), only this call."""
+    piece = nf4.Layout((layout[0], layout[1]), (layout[2], layout[3]), layout[4], layout[5])
+    width = _code_bytes(piece)
+    rows = packed.shape[0]
+    out = torch.empty((rows, piece.cols), dtype=dtype, device=packed.device)
+    groups = _scale_groups(piece, first, rows, packed.device)
+    codes, scales = packed[:, :width], packed[:, width:]
+    return nf4.dequantize_rows(codes, scales, state2, offset, piece, first, out, groups)
+
+
+@dequantize_op.register_fake
+def _(packed, state2, offset, layout, first, dtype):  # noqa: ANN001, ANN202
+    return packed.new_empty((packed.shape[0], layout[4]), dtype=dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _scale_groups(piece: nf4.Layout, first: int, rows: int, device: torch.device) -> torch.Tensor:
+    """nf4.scale_groups of a piece's rows: the same at every dequantization (twice a step each)."""
+    return nf4.scale_groups(piece, first, rows, device)
 
 
 def _alias(self: NF4Tensor, *args, **kwargs) -> NF4Tensor:  # noqa: ANN002, ANN003
@@ -223,6 +263,34 @@ def _origin(weight: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
     return tuple(offset), tuple(shape)
 
 
+class QLoraLinear(lora.LoraLinear):
+    """A LoraLinear whose base weight is stored in NF4. Under FSDP its forward sees the gathered
+    weight, already dense (fsdp_post_all_gather); without FSDP the NF4 parameter itself, which
+    nf4_linear dequantizes for each matmul."""
+
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        if not is_nf4(self.weight):
+            return super().base(x)
+        return _NF4Linear.apply(x, self.weight, self.bias)
+
+
+class _NF4Linear(torch.autograd.Function):
+    """F.linear(x, the NF4 weight dequantized, bias) without keeping the dense weight for backward: it
+    is dequantized again there (the weight and bias are frozen: x's gradient only). On DTensors at
+    tp > 1 the matmuls are DTensor's, with the placements the TP style gives a dense weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(weight)
+        return F.linear(x, dequantized(weight), bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        (weight,) = ctx.saved_tensors
+        dense = dequantized(weight)
+        return grad.to(dense.dtype) @ dense, None, None
+
+
 def to_nf4(linear: nn.Linear, whole: tuple[int, int], first_row: int = 0) -> None:
     """Replace `linear`'s meta weight (TP applied, before FSDP) by its NF4 placeholder, in place.
     `whole`: the shape of the weight bitsandbytes quantizes, of which this one holds the rows from
@@ -237,6 +305,8 @@ def to_nf4(linear: nn.Linear, whole: tuple[int, int], first_row: int = 0) -> Non
             stride=weight.stride(),
         )  # fmt: skip
     linear.weight = nn.Parameter(placeholder, requires_grad=False)
+    if isinstance(linear, lora.LoraLinear):
+        linear.__class__ = QLoraLinear
 
 
 def quantize_base(model: nn.Module, shards: int) -> None:

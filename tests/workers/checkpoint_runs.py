@@ -1,10 +1,14 @@
-"""Launched by tests/test_checkpoint.py by run_worker (4 processes, then 1): an uninterrupted run
-that checkpoints at step 4, resumes of that checkpoint on other meshes, exports, and a load of the
+"""Launched by tests/test_checkpoint.py by run_worker (1 process, 4, then 1 again): an uninterrupted
+run that checkpoints at step 4, resumes of that checkpoint on other meshes, exports, and a load of the
 checkpoint into another architecture, and resumes whose train.seed or data.shuffle differ from the
-checkpoint's. The HF import of the sharded folder and the fp32 export record, on every rank, how many
-elements each tensor's safetensors reads returned and how many each write carried (a wrapper
-around safetensors' safe_open and DCP's HuggingFaceStorageWriter.write_data). Rank 0 saves
-`<out>/<name>.pt`."""
+checkpoint's. Checkpoints written without FSDP resume on other meshes too (plain tensors on 1×1,
+tp's DTensors on 1×4: parallelize wraps nothing where FSDP has one rank): the first 1-process launch
+trains on 1×1 and saves at step 4, the 4-process launch resumes that at 2×2 and 1×4, and its 1×4
+resume of the 2×2 checkpoint saves at step 6, which 2×2 resumes and the last 1-process launch
+resumes at 1×1 (with the 2×2 checkpoint's own 1×1 resume). The HF import of the sharded folder
+and the fp32 export record, on every rank, how many elements each tensor's safetensors reads
+returned and how many each write carried (a wrapper around safetensors' safe_open and DCP's
+HuggingFaceStorageWriter.write_data). Rank 0 saves `<out>/<name>.pt`."""
 
 from __future__ import annotations
 
@@ -141,8 +145,12 @@ def main() -> None:
     out = args.out
     device = init_distributed(timeout_s=300)
     step4 = out / "checkpoints" / "step-00000004"
+    step4_1x1 = out / "w1x1" / "checkpoints" / "step-00000004"  # written on 1×1 (the first launch)
+    step6_1x4 = out / "resume_1x4" / "checkpoints" / "step-00000006"  # written on 1×4
     results = {}
-    if dist.get_world_size() == 4:
+    if dist.get_world_size() == 1 and not step4.exists():  # the first launch: 1×1 writes a checkpoint
+        run("w1x1", out / "w1x1", args.untied, 1, 1, device, every=4)  # the whole schedule's steps
+    elif dist.get_world_size() == 4:
         full = run("full", out, args.untied, 2, 2, device, every=4)
         # the export before any forward: the root module's parameters would stay gathered after one
         with recorded_writes() as writes:
@@ -150,7 +158,17 @@ def main() -> None:
         results["export_writes"] = gathered((dict(writes), shard_sizes(full.model)))
         results["full"] = {"history": full.history, "logits": full_logits(full.model)}
         for name, (dp, tp) in {"resume_2x2": (2, 2), "resume_1x4": (1, 4), "resume_4x1": (4, 1)}.items():
-            results[name] = {"history": run(name, out / name, args.untied, dp, tp, device, step4).history}
+            every = 2 if name == "resume_1x4" else 0  # step6_1x4
+            results[name] = {
+                "history": run(name, out / name, args.untied, dp, tp, device, step4, every=every).history
+            }
+        for name, (dp, tp, checkpoint) in {
+            "resume_2x2_from_1x1": (2, 2, step4_1x1),
+            "resume_1x4_from_1x1": (1, 4, step4_1x1),
+            "resume_2x2_from_1x4": (2, 2, step6_1x4),
+        }.items():
+            history = run(name, out / name, args.untied, dp, tp, device, checkpoint).history
+            results[name] = {"history": history}
         tied = run("tied", out / "tied", args.tied, 2, 2, device, steps=3)
         results["tied"] = {"logits": full_logits(tied.model)}
         export_hf(tied.model, load_tokenizer(str(args.tied)), out / "hf_tied", "fp32")
@@ -172,9 +190,8 @@ def main() -> None:
             except ConfigError as error:
                 results[name] = {"error": str(error)}
     else:
-        results["resume_1x1"] = {
-            "history": run("resume_1x1", out / "r1", args.untied, 1, 1, device, step4).history
-        }
+        for name, checkpoint in {"resume_1x1": step4, "resume_1x1_from_1x4": step6_1x4}.items():
+            results[name] = {"history": run(name, out / name, args.untied, 1, 1, device, checkpoint).history}
     save_results(results, out)
 
 

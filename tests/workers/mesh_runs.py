@@ -22,6 +22,7 @@ from tests.helpers import (
     GLOBAL_BATCH,
     check_sharding,
     cross_rank_row,
+    full,
     full_logits,
     one_backward,
     packed_documents,
@@ -126,13 +127,13 @@ def main() -> None:
         result = train(config, shape, model_config, device, run_dir, resolved={})
         one_backward(result.model)
         check_sharding(result.model, result.optimizer, dp, tp, config.parallel.cp)
-        params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+        params = {canonical_name(n): full(p) for n, p in result.model.named_parameters()}
         params = fused.fuse(result.model, params)  # HF's names and layout, as the reference has
         saved = {"history": result.history, "params": params}
         # the freshly loaded model (or seeded init) only where a test reads it: the suite's time
         fresh = sharded_model(config, device) if kind in (*models, *WIDTH_NORMS) else None
         if kind == "random":
-            saved["init"] = {n: p.full_tensor() for n, p in fresh.named_parameters()}
+            saved["init"] = {n: full(p) for n, p in fresh.named_parameters()}
         elif kind in models:
             saved["logits"] = full_logits(fresh)
         if overrides.get("checkpoint.export_hf"):

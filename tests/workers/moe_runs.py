@@ -1,7 +1,8 @@
 """Launched by tests/test_moe.py by run_worker (4 processes): every expert-parallel scenario on one
-process group. Rank 0 saves `<out>/<name>.pt`: each training run's logged history and final full
-parameters, every rank's bytes of model state (counted here from the real tensors' storages, for the
-planner's test), and the expert gradients of the dispatch check; every rank asserts the sharding."""
+process group; then by 2 and 1 processes: the meshes without FSDP (NO_FSDP), one each. Rank 0
+saves `<out>/<name>.pt`: each training run's logged history and final full parameters, every rank's
+bytes of model state (counted here from the real tensors' storages, for the planner's test), and the
+expert gradients of the dispatch check; every rank asserts the sharding."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from dtrain.checks import check_config
 from dtrain.distributed import init_distributed
@@ -23,6 +24,7 @@ from tests.helpers import (
     check_expert_sharding,
     check_sharding,
     dispatch_rows,
+    full,
     full_logits,
     one_backward,
     parity_config,
@@ -32,6 +34,10 @@ from tests.helpers import (
 
 # name: (dp_shard, tp, ep); world 4; the default aux loss (moe.aux_scope=micro_step, padding left out)
 SCENARIOS = {"ep4": (4, 1, 4), "ep2_tp2": (2, 2, 2), "ep2_dp2": (4, 1, 2)}
+# The same where FSDP has one rank, so parallelize wraps nothing (a launch of dp_shard × tp ranks
+# each): plain experts on one process, experts and router replicated over tp 2 (their gradients
+# partial sums over tp, which parallelize.keep_gradient_placements all-reduces instead of FSDP)
+NO_FSDP = {"1x1": (1, 1, 1), "tp2": (1, 2, 1)}
 # Rows of every micro-step, over all dp ranks (micro batch GLOBAL_MICRO_BATCH / dp): 2 micro-steps of
 # the global batch of 16, the same rows on every mesh (what moe.aux_scope=micro_step's loss is over).
 GLOBAL_MICRO_BATCH = 8
@@ -110,7 +116,7 @@ def moe_config(model_dir: Path, dp: int, tp: int, ep: int):
 
 
 def training_run(model_dir: Path, out: Path, name: str, device: torch.device) -> dict:
-    dp, tp, ep = {**SCENARIOS, **RESUMED}[name]
+    dp, tp, ep = {**SCENARIOS, **RESUMED, **NO_FSDP}[name]
     config = moe_config(model_dir, dp, tp, ep)
     resume = None
     if name == EXPORTED:
@@ -131,7 +137,11 @@ def training_run(model_dir: Path, out: Path, name: str, device: torch.device) ->
     check_sharding(DenseView(result.model), result.optimizer, dp, tp)
     if ep > 1:
         check_expert_sharding(result.model, result.optimizer, ep, dp // ep, tp)
-    saved["params"] = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+    if name in NO_FSDP:  # the experts: plain tensors, or replicated over tp, their gradients alike
+        for expert in (p for n, p in result.model.named_parameters() if ".experts." in n):
+            placed = [getattr(t, "placements", None) for t in (expert, expert.grad)]
+            assert placed[0] == placed[1] == ((Replicate(),) if tp > 1 else None), placed
+    saved["params"] = {canonical_name(n): full(p) for n, p in result.model.named_parameters()}
     return saved
 
 
@@ -140,7 +150,7 @@ def trained(config, out: Path, name: str, device: torch.device) -> tuple[dict, t
     model_config = load_model_config(config.model)
     shape = check_config(config, dist.get_world_size(), model_config)
     result = train(config, shape, model_config, device, out / name, resolved={})
-    params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+    params = {canonical_name(n): full(p) for n, p in result.model.named_parameters()}
     return {"history": result.history, "params": params}, result.model
 
 
@@ -187,7 +197,7 @@ def dispatch_gradients(model_dir: Path, device: torch.device) -> dict:
         ).logits
         F.cross_entropy(logits[0, :-1], row[0, 1:], reduction="sum").backward()
         grads.append(
-            {canonical_name(n): p.grad.full_tensor() for n, p in model.named_parameters() if ".experts." in n}
+            {canonical_name(n): full(p.grad) for n, p in model.named_parameters() if ".experts." in n}
         )
         model.zero_grad(set_to_none=True)
     return {"grads": grads}
@@ -207,6 +217,13 @@ def main() -> None:
 
     def chosen(names):
         return [name for name in names if not wanted or name in wanted]
+
+    if dist.get_world_size() < 4:  # the mesh without FSDP of this world size
+        names = [name for name, (dp, tp, _) in NO_FSDP.items() if dp * tp == dist.get_world_size()]
+        save_results(
+            {name: training_run(args.model, args.out, name, device) for name in chosen(names)}, args.out
+        )
+        return
 
     results = {
         name: training_run(args.model, args.out, name, device) for name in chosen({**SCENARIOS, **RESUMED})

@@ -15,7 +15,7 @@
   grow with steps (before torch 2.13 it leaked one per parameter per step, pytorch#188174).
 1×1 checks (--single):
 - activation_checkpointing=selective recomputes no matmul in backward; full recomputes them.
-- tp=1 applies no TP: every parameter is sharded over dp alone (one placement).
+- 1×1 applies neither TP nor FSDP (nothing to shard over): every parameter is a plain tensor.
 - parallel.compile=true (inductor) gives the eager losses over steps with optimizer updates.
 """
 
@@ -30,6 +30,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -277,8 +278,9 @@ def check_bf16_reduces_gradients_in_fp32(device: torch.device) -> None:
 def check_single(device: torch.device) -> None:
     config = config_with(1, 1)
     eager = sharded_model(config, device)
-    placements = {len(p.placements) for p in eager.parameters()}
-    assert placements == {1}, f"tp=1 should shard over dp only, got {placements} placements"
+    kinds = {type(p.data).__name__ for p in eager.parameters()}
+    assert kinds == {"Tensor"}, f"1x1 applies neither TP nor FSDP: plain tensors, got {kinds}"
+    assert not any(isinstance(m, FSDPModule) for m in eager.modules()), "fully_shard on one process"
     reference = losses(eager, config, 3)
     compiled_config = config_with(1, 1, compile=True)
     compiled = sharded_model(compiled_config, device)

@@ -16,7 +16,7 @@ from dtrain.distributed import init_distributed
 from dtrain.export import export_checkpoint
 from dtrain.model import canonical_name, load_model_config
 from dtrain.trainer import train
-from tests.helpers import full_logits, parity_config, save_results, worker_args
+from tests.helpers import full, full_logits, parity_config, save_results, worker_args
 
 STEPS, CHECKPOINT = 5, 3  # (the suite's time budget) a checkpoint halfway, resumed on another mesh
 
@@ -43,7 +43,7 @@ def run(
     shape = check_config(config, dist.get_world_size(), model_config)
     resolved = OmegaConf.to_container(OmegaConf.structured(config))
     result = train(config, shape, model_config, device, out / name, resolved, resume_from)
-    params = {canonical_name(n): p.full_tensor() for n, p in result.model.named_parameters()}
+    params = {canonical_name(n): full(p) for n, p in result.model.named_parameters()}
     tied = result.model.lm_head.weight is result.model.model.embed_tokens.weight
     return {"history": result.history, "params": params, "logits": full_logits(result.model), "tied": tied}
 
