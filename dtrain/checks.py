@@ -171,7 +171,6 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
 
     check_tp_support(model_config.model_type, shape.tp)
     check_expert_parallel(model_config, shape, parallel)
-    check_compile(model_config, shape, parallel)
     if parallel.loss_impl == "auto":  # resolved here, so config.yaml and the planner see what runs
         parallel.loss_impl = auto_loss_impl(model_config)
     check_loss_support(model_config, parallel.loss_impl)
@@ -259,20 +258,6 @@ def check_tp_support(model_type: str, tp: int) -> None:
             f"model type {model_type!r} has no TP plan, so it trains with parallel.tp=1 only (FSDP); "
             f"parallel.tp={tp} needs one of: {', '.join(TP_PLANS)}"
         )
-
-
-def check_compile(model_config: Any, shape: MeshShape, parallel: ParallelConfig) -> None:
-    """parallel.compile=true compiles a dense decoder layer whole; at tp > 1 with sequence parallel its
-    norms run under SequenceParallel, whose weight gradients torch 2.13 computes wrong when compiled
-    (the first step's grad norm 0.85x eager's for a Llama at tp = 2, aot_eager; docs/moe.md, Compile).
-    A mixture-of-experts layer leaves those norms eager (parallelize.compile_sparse_layer)."""
-    if parallel.compile and shape.tp > 1 and parallel.sequence_parallel:
-        if model_config.model_type not in experts.STACKED_EXPERTS:
-            raise ConfigError(
-                f"parallel.compile=true at parallel.tp={shape.tp} with sequence parallel: torch 2.13 "
-                "compiles a dense layer's SequenceParallel norms with wrong weight gradients; set "
-                "parallel.compile=false, or parallel.sequence_parallel=false"
-            )
 
 
 def check_expert_parallel(model_config: Any, shape: MeshShape, parallel: ParallelConfig) -> None:

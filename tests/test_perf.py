@@ -33,6 +33,15 @@ def test_chunked_loss_checkpointing_and_resharding_keep_the_numerics_on_2x2(tmp_
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
 
 
+@pytest.mark.slow
+def test_compiled_layers_at_tp2_alone_have_eager_s_gradients(tmp_path):
+    """tp 2 on 2 processes (no FSDP): parallel.compile=true's layers give the eager loss, gradients
+    and grad norm (perf_mesh.check_compiled_layers; 2×2 is in the 4-process launch)."""
+    done = tmp_path / "done"
+    result = run_worker(2, "perf_mesh", "--tp2", "--done", str(done), timeout=300)
+    assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
+
+
 def inductor_python(folder: Path) -> str:
     """This interpreter, or, where its environment's path holds whitespace, the same virtual
     environment through a symlink without any: torch 2.13's Inductor links its C++ kernels with

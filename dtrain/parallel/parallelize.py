@@ -18,7 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dtrain.config import ConfigError, LoraConfig, ParallelConfig
@@ -122,7 +122,7 @@ def parallelize(
         model.to(lora.DTYPES[precision])  # swaps DTensor parameters in place: tied weights stay tied
     apply_activation_checkpointing(layers, settings.activation_checkpointing)
     if settings.compile:
-        apply_compile(layers, sequence_parallel_norms(model, parallel, settings))
+        apply_compile(model, layers, parallel.tp_size)
     if parallel.sharded:
         apply_fsdp(model, layers, parallel, settings, precision)
     elif precision == "bf16":
@@ -160,41 +160,42 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: str) -> None:
         layers[index] = checkpoint_wrapper(layer, **options)
 
 
-def apply_compile(layers: nn.ModuleList, eager: set[str]) -> None:
+def apply_compile(model: nn.Module, layers: nn.ModuleList, tp: int) -> None:
     """torch.compile each decoder layer (all layers share one graph: same code, parameters as
     inputs). The embedding, final norm, head and loss stay eager; FSDP's hooks stay outside the
-    compiled region because fully_shard wraps the compiled module. A layer with experts: its parts
-    but `eager` (compile_sparse_layer)."""
+    compiled region because fully_shard wraps the compiled module. A layer with experts compiles in
+    parts (compile_sparse_layer). At tp > 1 the embedding's output enters the first layer's graph as
+    a plain tensor (materialized)."""
+    if tp > 1:
+        model.get_input_embeddings().register_forward_hook(materialized)
     for index, layer in enumerate(layers):
         if experts.experts_modules(layer):
-            compile_sparse_layer(layer, eager)
+            compile_sparse_layer(layer)
         else:
             layers[index] = torch.compile(layer, fullgraph=True)
 
 
-def sequence_parallel_norms(model: nn.Module, parallel: Parallel, settings: ParallelConfig) -> set[str]:
-    """A decoder layer's children under torch's SequenceParallel style (its norms at tp > 1 with
-    sequence parallel). Compiled, their weights' gradients come out wrong (torch 2.13 with aot_eager:
-    the first step's grad norm 0.92x eager's for Qwen3-MoE at tp = 2, 0.85x for a Llama whose whole
-    layer is compiled), so a mixture-of-experts layer leaves them eager."""
-    if parallel.tp_size == 1:
-        return set()
-    plan = TP_PLANS[model.config.model_type].layer_plan(settings.sequence_parallel)
-    return {name for name, style in plan.items() if isinstance(style, SequenceParallel)}
+def materialized(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output at tp > 1 is an AsyncCollectiveTensor (RowwiseParallel redistributes
+    it with async_op=True), a view awaiting its reduce. Entering a compiled graph as an input, torch
+    2.13 drops the gradient that flows back through it: the embedding's gradient is zero at 2x2 (the
+    first step's grad norm 0.82x eager's), 0.86x its norm where only the layer's norms take it, and
+    backward fails at tp alone (a plain tensor where the redistribute's backward wants a DTensor).
+    The copy waits for the reduce and hands the graph a plain tensor with its autograd edge (one
+    activation of the layers' input size, once a forward)."""
+    return output.clone()
 
 
-def compile_sparse_layer(layer: nn.Module, eager: set[str]) -> None:
+def compile_sparse_layer(layer: nn.Module) -> None:
     """A mixture-of-experts layer cannot be one graph: its dispatch sizes buffers from the routing on
     the host (the all-to-all's splits, the rows per expert), and at ep > 1 FSDP's hooks of the experts
-    module sit inside it. So each dense part but `eager` is compiled whole and in place (attention,
-    norms, the router: one graph each, shared by the layers), and the experts' grouped matmuls with
-    the gate between them as one graph of dynamic row count (experts.compile_experts); the dispatch,
-    the layer's residual adds and the block's reshapes stay eager (torchtitan compiles its MoE layers
+    module sit inside it. So each dense part is compiled whole and in place (attention, norms, the
+    router: one graph each, shared by the layers), and the experts' grouped matmuls with the gate
+    between them as one graph of dynamic row count (experts.compile_experts); the dispatch, the
+    layer's residual adds and the block's reshapes stay eager (torchtitan compiles its MoE layers
     so)."""
     block = layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
-    for name, child in block.named_children():
-        if name in eager:
-            continue
+    for child in block.children():
         if not experts.experts_modules(child):
             child.compile(fullgraph=True)
             continue

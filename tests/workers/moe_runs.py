@@ -56,7 +56,7 @@ SCOPE_RUNS = {
 }
 # parallel.compile=true on this one, with aot_eager as lora_runs' compiled scenario (Dynamo's capture
 # and AOT autograd as on CUDA, not Inductor's C++ build, minutes on a CPU): in fp32 the attention and
-# router are compiled (the norms stay eager at tp > 1: parallelize.sequence_parallel_norms) and the
+# router and the norms are compiled (parallelize.compile_sparse_layer) and the
 # experts eager (grouped_mm traces in bf16 only: test_moe's test_compiled_experts_equal_eager_in_bf16)
 COMPILED, COMPILE_BACKEND = {"ep2_tp2_global"}, "aot_eager"
 EXPORTED = "ep2_tp2"  # exported at the end (fp32)
