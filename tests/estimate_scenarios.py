@@ -1,4 +1,5 @@
-"""The small experiments the planner is checked against a real gloo run on (4 ranks): the embedded
+"""The small experiments the planner is checked against a real gloo run on (4 ranks; SINGLE's on
+one process, 1x1: no TP, no FSDP, a bf16 run and QLoRA's): the embedded
 default (tiny Llama, shipped data) with accumulation, with and without activation checkpointing, with
 the fused loss, with a large vocabulary, with context parallel on packed rows, LoRA on a frozen
 bf16 base and on an NF4 one (QLoRA) in a bf16 run, and dtrain.dpo's step on the embedded pairs (a
@@ -84,6 +85,27 @@ SCENARIOS = {
         "lora.base_dtype=nf4",
         "parallel.loss_impl=dense",
     ],
+    # one process (1x1): no TP, no FSDP (plain tensors; bf16 under autocast from fp32 master weights),
+    # the real run a 1-process launch of its own (SINGLE)
+    "1x1_bf16": [
+        "estimate.world_size=1",
+        "estimate.format=json",
+        "train.micro_batch_size=8",
+        "train.global_batch_size=16",
+        "train.precision=bf16",
+        "parallel.loss_impl=dense",
+    ],
+    # QLoRA on one process: the NF4 base stays NF4 (no FSDP to gather it), dequantized per matmul
+    "1x1_lora_nf4": [
+        "estimate.world_size=1",
+        "estimate.format=json",
+        "train.micro_batch_size=8",
+        "train.global_batch_size=16",
+        "train.precision=bf16",
+        "lora.r=8",
+        "lora.base_dtype=nf4",
+        "parallel.loss_impl=dense",
+    ],
     # dtrain.dpo on the embedded pairs: micro-batches of 4 pairs (8 rows), the live reference (a
     # frozen copy of the policy, sharded like it) run before the step's first gradient
     "dpo_tp2_live": [
@@ -113,6 +135,7 @@ SCENARIOS = {
         "parallel.loss_chunk=16",
     ],
 }
+SINGLE = ("1x1_bf16", "1x1_lora_nf4")  # run on 1 process; the others on WORLD
 REAL_RUN_ATTENTION = "sdpa"  # dtrain.attention.backend_for on a CPU
 # The plans README.md, docs/models.md, docs/architecture.md and docs/estimate.md quote (the LoRA one
 # also docs/lora.md's experiment): each the command the docs give, without suggestions.

@@ -1,13 +1,15 @@
 """The memory planner against independent measurements.
 
 - model state: the planner's parameter, gradient and AdamW bytes equal the bytes of the real
-  sharded tensors of a real 4-process gloo run of the same experiment on the same mesh, exactly;
+  sharded tensors of a real 4-process gloo run of the same experiment on the same mesh, exactly
+  (and of a 1-process run on 1x1, where no TP or FSDP wraps them: estimate_scenarios.SINGLE);
 - peak: the most bytes of live tensor storages a real step held, counted by the worker's own
   StorageCounter (no code of the planner's tracker; the real step runs every micro-batch, the
-  planner two), dense, fused, a large vocabulary, context parallel on packed rows and LoRA on a
-  frozen bf16 base, each scenario held to the precision the plan has (PEAK_TOLERANCE: 1 %, and 5 %
-  below the count for context parallel on gloo); a plan without its optimizer state (LoRA's
-  adapters' included) or, with the large vocabulary, without its logits would be outside it;
+  planner two), dense, fused, a large vocabulary, context parallel on packed rows, LoRA on a
+  frozen bf16 base, and bf16 and QLoRA on 1x1, each scenario held to the precision the plan has
+  (PEAK_TOLERANCE: 1 %, and 5 % below the count for context parallel on gloo); a plan without its
+  optimizer state (LoRA's adapters' included) or, with the large vocabulary, without its logits
+  would be outside it;
 - the CLI: a table (tiny model), and the seed's JSON (+experiment=llama3_8b_seed: Llama-3-8B, tp=4
   on 4 ranks) whose figures agree with the sharding (total / world), and whose DeepSpeed layouts,
   summed from their buffers, give what the issue derived from DeepSpeed's code: 20 bytes per local
@@ -35,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from tests.doc_figures import GIB, assert_printed, figure, gib, rounds_to
-from tests.estimate_scenarios import SCENARIOS, WORLD
+from tests.estimate_scenarios import SCENARIOS, SINGLE, WORLD
 from tests.helpers import ROOT, one_interpreter_command, read_metrics, sft, worker_command
 
 SCENARIO_PLAN = [sys.executable, "-m", "tests.estimate_scenarios"]
@@ -57,7 +59,8 @@ def finish(process: subprocess.Popen, timeout: float = 900) -> str:  # a shared 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three processes at once: the real run, the scenarios' plans, and every plan of the command line
+    """Four launches at once: the real runs (on WORLD ranks, and on one process for SINGLE's 1x1
+    scenarios), the scenarios' plans, and every plan of the command line
     (`python -m dtrain.estimate ARGS`, each the CLI's main() in one interpreter: tests/workers/cli_many,
     no interpreter's start-up per plan)."""
     out = tmp_path_factory.mktemp("real")
@@ -92,8 +95,10 @@ def runs(tmp_path_factory):
             "parallel.loss_impl=dense",
         ],
     }
+    sharded_scenarios = [name for name in SCENARIOS if name not in SINGLE]
     processes = {
-        "real": start(worker_command(WORLD, "estimate_real", "--out", str(out))),
+        "real": start(worker_command(WORLD, "estimate_real", "--out", str(out), *sharded_scenarios)),
+        "real_1x1": start(worker_command(1, "estimate_real", "--out", str(out), *SINGLE)),
         # In one process: the scenarios planned with the real run's attention kernel (sdpa on a CPU),
         # and the plans the docs quote (Llama-3-8B at 32k at cp=2 and cp=1, LoRA on 8B).
         "plans": start(SCENARIO_PLAN),

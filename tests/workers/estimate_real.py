@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch._guards import active_fake_mode
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from dtrain.checks import check_config
@@ -51,7 +51,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for tensor in tensors:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        for plain in [local] if type(local) is torch.Tensor else flat_tensors(local):
+        for plain in flat_tensors(local) if is_traceable_wrapper_subclass(local) else [local]:
             storage = plain.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
@@ -98,7 +98,7 @@ class StorageCounter(TorchDispatchMode):
     def _add_plain(self, tensor: torch.Tensor) -> None:
         """The plain tensors a subclass wraps (__tensor_flatten__): a DTensor's local shard among
         `alive`; funcol's AsyncCollectiveTensor, which runs its own operators with this mode off."""
-        if type(tensor) is torch.Tensor:
+        if not is_traceable_wrapper_subclass(tensor):  # a plain tensor, or a Parameter of one (1x1)
             self._add(tensor)
             return
         for attr in tensor.__tensor_flatten__()[0]:
