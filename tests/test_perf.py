@@ -1,8 +1,8 @@
 """Performance paths that must not change numerics: the chunked vocab-parallel loss, selective
-activation checkpointing, per-layer resharding and FSDP prefetch on the 2×2 mesh
-(tests/workers/perf_mesh.py, 4 gloo processes); the tp=1 fast path and torch.compile on 1×1 (one
-process); flex attention on packed rows against sdpa's dense mask; the planner showing the chunked
-loss's saving; the bench's table."""
+activation checkpointing, per-layer resharding, FSDP prefetch and compiled layers on the 2×2 mesh,
+and the host synchronisations of a step (tests/workers/perf_mesh.py, 4 gloo processes); the tp=1
+fast path and torch.compile on 1×1 (one process); flex attention on packed rows against sdpa's
+dense mask; the planner showing the chunked loss's saving; the bench's table."""
 
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ WORKER = worker("perf_mesh")
 
 @pytest.mark.slow
 def test_chunked_loss_checkpointing_and_resharding_keep_the_numerics_on_2x2(tmp_path):
+    """perf_mesh's 2×2 checks (its docstring): the numerics of the performance paths, compiled
+    layers' gradients, and the host synchronisations of a step of SFT, LoRA, MoE and DPO."""
     done = tmp_path / "done"
-    result = run_worker(4, "perf_mesh", "--done", str(done), timeout=300)
+    result = run_worker(4, "perf_mesh", "--done", str(done), timeout=600)
     assert result.returncode == 0 and done.exists(), result.stdout[-6000:]
 
 

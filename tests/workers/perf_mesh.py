@@ -7,8 +7,8 @@
 - activation_checkpointing=selective and full give the loss and gradients of no checkpointing.
 - reshard_after_forward: after a forward, exactly the layers it names are back to their dp shards
   (auto: all but the last); with fsdp_prefetch=2 too, loss and gradients are unchanged.
-- dtrain's training step reads one value on the host (a device sync on GPUs): the gradient norm,
-  for the skip decision. The ranks' agreement reads host flags on a gloo group of its own.
+- host synchronisations of a training step of SFT, LoRA, MoE and DPO, counted (host_syncs.py):
+  none inside a micro-step but the MoE dispatch's, the stated ones per optimizer and logged step.
 - train.precision=bf16 gathers bf16 parameters and reduce-scatters fp32 gradients: the dtypes of
   the tensors FSDP hands to the collectives in a real step (a bf16 reduction would fail this).
 - fused AdamW on the DTensor parameters keeps no objects across steps: the live DTensorSpecs do not
@@ -24,10 +24,8 @@
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import gc
-import traceback
 from pathlib import Path
 from unittest import mock
 
@@ -35,20 +33,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from dtrain.checks import check_config
 from dtrain.config import Config
 from dtrain.distributed import init_distributed
 from dtrain.loss import IGNORE, loss_context
-from dtrain.model import canonical_name, load_model_config
+from dtrain.model import canonical_name
 from dtrain.optim import build_optimizer, global_grad_norm
-from dtrain.reliability import StepGuard
 from dtrain.step import micro_step, optimizer_step, summed_loss
-from dtrain.trainer import train
 from tests.helpers import MAX_LEN, parity_config, sharded_model
 from tests.tolerance import RTOL, assert_close, assert_scalar_close
+from tests.workers import host_syncs
 
 TOL = 1e-6
 
@@ -167,72 +162,6 @@ def check_selective_saves_the_matmuls(device: torch.device) -> None:
     assert flops["selective"] == flops["none"] < flops["full"], flops
 
 
-def read_site() -> str:
-    """The innermost dtrain function on the stack, then the innermost function of all if that is
-    another library's: "step.py:optimizer_step > optimizer.py:_get_value"."""
-    plumbing = ("perf_mesh.py", "/torch/_dynamo/", "/torch/_compile.py", "/torch/utils/_python_dispatch.py")
-    frames = [f for f in traceback.extract_stack() if not any(part in f.filename for part in plumbing)]
-    ours = [f for f in frames if "/dtrain/" in f.filename] or frames
-    sites = [ours[-1]] if ours[-1] is frames[-1] else [ours[-1], frames[-1]]
-    return " > ".join(f"{Path(f.filename).name}:{f.name}" for f in sites)
-
-
-# Reads of tensors that live on the host on every device: they do not wait for the device.
-HOST_TENSOR_READS = {
-    "reliability.py:agreed": "the ranks' flags, a CPU tensor on the guard's gloo group",
-}
-
-
-class HostReads(TorchDispatchMode):
-    """Counts reads of tensor values on the host, by call site: item(), bool() and the like
-    (aten._local_scalar_dense, which every dispatched read goes through) and tolist() (which is not
-    dispatched). On a GPU each read of a device tensor waits for the device."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sites: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.sites[read_site()] += 1
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        tolist = torch.Tensor.tolist
-        self._patch = mock.patch.object(
-            torch.Tensor, "tolist", lambda t: self.sites.update([read_site()]) or tolist(t)
-        )
-        self._patch.start()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self._patch.stop()
-        return super().__exit__(*exc)
-
-
-def host_reads_of_a_run(steps: int, device: torch.device, run_dir: Path) -> collections.Counter:
-    config = config_with(2, 2)
-    config.train.max_steps = config.train.log_every = steps  # one log line, at the end
-    model_config = load_model_config(config.model)
-    with HostReads() as reads:
-        shape = check_config(config, dist.get_world_size(), model_config)
-        train(config, shape, model_config, device, run_dir, resolved={})
-    return reads.sites
-
-
-def check_host_reads_per_step(device: torch.device, out: Path) -> None:
-    """The same run for 2 and for 6 steps: what the 4 extra steps read, per step, by call site."""
-    short, long = (host_reads_of_a_run(steps, device, out / f"reads_{steps}") for steps in (2, 6))
-    per_step = {site: (long[site] - short[site]) / 4 for site in long | short if long[site] != short[site]}
-    device_reads = {site: n for site, n in per_step.items() if site not in HOST_TENSOR_READS}
-    expected = {"reliability.py:should_skip": 1}
-    assert device_reads == expected, f"host reads per step by call site: {per_step}, expected {expected}"
-    assert per_step["reliability.py:agreed"] == 1, per_step
-    guard = StepGuard(config_with(2, 2).train)
-    assert guard.group is not dist.group.WORLD and dist.get_backend(guard.group) == "gloo"
-    guard.close()
-
-
 def live_dtensor_specs() -> int:
     gc.collect()
     return sum(1 for obj in gc.get_objects() if type(obj).__name__ == "DTensorSpec")
@@ -343,7 +272,7 @@ def main() -> None:
         check_reshard_and_prefetch(reference, device)
         check_bf16_reduces_gradients_in_fp32(device)
         check_optimizer_keeps_no_specs(model, parity_config(None, dp=2, tp=2))
-        check_host_reads_per_step(device, args.done.parent)
+        host_syncs.check_host_syncs(device, args.done.parent)
     dist.barrier()
     if dist.get_rank() == 0:
         args.done.write_text("ok")
