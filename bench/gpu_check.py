@@ -1,7 +1,10 @@
 """`python bench/gpu_check.py`: the device check for one lent GPU (an H200). dtrain on a 1×1 mesh vs
 the plain PyTorch + transformers loop, on a Llama-3.2-1B-shaped model (random init from its
 config.json shipped in dtrain/assets/architectures: nothing is downloaded), bf16, eager and
-compiled, with one document per row and with packed rows; dtrain also with parallel.loss_impl=fused.
+compiled, with one document per row and with packed rows; dtrain also with parallel.loss_impl=fused;
+then LoRA r=16 (PEFT on the plain loop against dtrain 1×1) and QLoRA (dtrain's NF4 base against
+PEFT on the same base dequantized once), eager and unpacked. tp 2 compiled against tp 2 eager needs
+two GPUs: `python -m dtrain.bench` runs it on every GPU of the machine (its 1x2-style meshes).
 Prints each group's rows as it finishes, then one table: tokens/s (all, supervised), MFU, step time,
 peak memory (what each variant adds), ratio to the first row; then the host syncs of one dtrain step
 (CUDA's sync debug mode). Meant to finish in under 8 minutes including compilation and warm-up.
@@ -17,6 +20,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import importlib.util
 import json
 import sys
 import time
@@ -34,6 +38,7 @@ from dtrain.bench.variants import (  # noqa: E402
     Result,
     Setup,
     dtrain_step,
+    lora_variants,
     make_batch,
     measure,
     plain_loop,
@@ -58,6 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true", help="eager variants only")
+    parser.add_argument("--lora-r", type=int, default=16, help="LoRA and QLoRA rows of this rank; 0: none")
     parser.add_argument("--json", type=Path, help="also write the final table's rows (and syncs) here")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -118,6 +124,15 @@ def main(argv: list[str] | None = None) -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    if args.lora_r and importlib.util.find_spec("peft") is None:
+        results.append("LoRA and QLoRA: not run (the PEFT baseline needs peft, which is not installed)")
+    elif args.lora_r:  # PEFT on the plain loop against dtrain 1x1: LoRA, and QLoRA on an NF4 base
+        setup = Setup(model, args.batch, args.seq, "bf16", lora_r=args.lora_r)
+        group = measure(lora_variants(setup, device, args.lora_r), setup, device, args)
+        results += group
+        done = f"done at {time.perf_counter() - start:.0f} s"
+        print_table(group, device, f"LoRA and QLoRA, eager, unpacked: {done}")
+        gc.collect()
     syncs = syncs_per_step(model, args, device) if device.type == "cuda" else None
     if syncs is not None:
         print(f"host syncs per dtrain 1x1 step (eager, unpacked): {syncs}")

@@ -60,3 +60,6 @@ def test_gpu_all_dry_run_runs_every_check(tmp_path):
     for shape in ("eager, unpacked", "eager, packed", "compiled, unpacked", "compiled, packed"):
         for variant in ("plain loop", "dtrain 1x1", "dtrain 1x1 fused"):
             assert f"{variant}, {shape}" in names, names
+    for variant in ("LoRA r=16: PEFT + plain loop", "LoRA r=16: dtrain 1x1"):  # the bench's LoRA rows
+        assert variant in names, names
+    assert {"QLoRA r=16: PEFT, dense NF4 base", "QLoRA r=16: dtrain 1x1, NF4 base"} <= set(names), names

@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--loss-chunk", type=int, default=64, help="chunked and fused variants (1x1, tp > 1 meshes); 0: none"
     )
     parser.add_argument("--meshes", default="default", help="comma-separated DPxTP meshes; '' for none")
+    parser.add_argument(
+        "--compile", type=int, default=1, help="1: on tp > 1 meshes, a compiled row beside the eager one"
+    )
     parser.add_argument("--hf-trainer", type=int, default=1, help="1: add the HF Trainer variant")
     parser.add_argument("--lora-r", type=int, default=16, help="> 0: add PEFT's and dtrain 1x1's LoRA rows")
     parser.add_argument("--moe", type=int, default=1, help="1: the mixture-of-experts table (Qwen3-MoE)")

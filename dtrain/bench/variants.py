@@ -345,7 +345,8 @@ def moe_variants(setup: Setup, device: torch.device) -> dict[str, Callable[[], S
 
 
 def mesh_worker(kind: str, setup: Setup, args: argparse.Namespace) -> list[Result]:
-    """Under torchrun: dtrain on the DPxTP mesh named by `kind`, one micro-batch per dp rank; `moe-epN`:
+    """Under torchrun: dtrain on the DPxTP mesh named by `kind`, one micro-batch per dp rank (at tp > 1
+    with --compile, also with parallel.compile=true: Inductor's kernels, C++ on a CPU); `moe-epN`:
     the mixture of experts on dp N with its experts split over ep = N (the default aux scope)."""
     device = init_distributed(timeout_s=300)
     if kind.startswith("moe-ep"):
@@ -358,6 +359,9 @@ def mesh_worker(kind: str, setup: Setup, args: argparse.Namespace) -> list[Resul
     dp, tp = (int(n) for n in kind.split("x"))
     # The loss variants where tp shards the vocabulary (their collectives are the difference).
     builds = loss_variants(f"dtrain {kind}", setup, mb, device, dp, tp, args.loss_chunk if tp > 1 else 0)
+    if tp > 1 and args.compile:  # beside the eager row: what parallel.compile=true gains at tp > 1
+        compiled = Setup(**{**asdict(setup), "compile": True})
+        builds[f"dtrain {kind} compiled"] = lambda: dtrain_step(compiled, mb, device, dp, tp)
     results = measure(builds, setup, device, args, devices=dist.get_world_size(), dp=dp)
     for result in results:
         if result.peak_gib is not None:
