@@ -14,7 +14,7 @@
 - fused AdamW on the DTensor parameters keeps no objects across steps: the live DTensorSpecs do not
   grow with steps (before torch 2.13 it leaked one per parameter per step, pytorch#188174).
 - parallel.compile=true's compiled layers give eager's loss, gradients and grad norm (also on tp 2
-  alone, --tp2: 2 processes, no FSDP).
+  alone, --tp2: 2 processes, no FSDP; there and on 1×1 activation checkpointing's numerics too).
 1×1 checks (--single):
 - activation_checkpointing=selective recomputes no matmul in backward; full recomputes them.
 - 1×1 applies neither TP nor FSDP (nothing to shard over): every parameter is a plain tensor.
@@ -99,9 +99,13 @@ def assert_same_loss_and_grads(reference: tuple[float, dict], other: tuple[float
         assert error <= TOL, (what, name, error)
 
 
-def check_activation_checkpointing(reference: tuple[float, dict], device: torch.device) -> None:
+def check_activation_checkpointing(
+    reference: tuple[float, dict], device: torch.device, dp: int = 2, tp: int = 2
+) -> None:
+    """selective and full give the loss and gradients of no checkpointing (`reference`) on dp × tp:
+    2×2 under FSDP, and tp 2 alone and 1×1 without it (nothing sharded there)."""
     for mode in ("selective", "full"):
-        model = sharded_model(config_with(2, 2, activation_checkpointing=mode), device)
+        model = sharded_model(config_with(dp, tp, activation_checkpointing=mode), device)
         assert_same_loss_and_grads(reference, loss_and_grads(model, batch(0), 0), mode)
 
 
@@ -261,8 +265,12 @@ def main() -> None:
     if args.single:
         check_selective_saves_the_matmuls(device)
         check_single(device)
+        reference = loss_and_grads(sharded_model(config_with(1, 1), device), batch(0), 0)
+        check_activation_checkpointing(reference, device, 1, 1)
     elif args.tp2:
         check_compiled_layers(device, 1, 2)
+        reference = loss_and_grads(sharded_model(config_with(1, 2), device), batch(0), 0)
+        check_activation_checkpointing(reference, device, 1, 2)
     else:
         check_compiled_layers(device, 2, 2)
         model = sharded_model(parity_config(None, dp=2, tp=2), device)
