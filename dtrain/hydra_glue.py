@@ -32,10 +32,9 @@ from dtrain.reliability import write_exit_status
 ASSETS = Path(__file__).parent / "assets"
 CONF = Path(__file__).parent / "conf"  # shipped inside the package; add your own with --config-dir
 EXIT_CONFIG_ERROR = 2
-# The embedded default's tuned settings (conf/experiment/embedded.yaml) apply to a command line that
-# names none of these: a model, a dataset or an experiment of its own gets the schema's defaults.
-EMBEDDED = "+experiment=embedded"
-EMBEDDED_DPO = "+experiment=embedded_dpo"  # dtrain.dpo's (conf/experiment/embedded_dpo.yaml)
+# An objective's embedded default (its tuned settings, e.g. conf/experiment/embedded.yaml) applies to a
+# command line that names none of these: a model, a dataset or an experiment of its own gets the
+# schema's defaults.
 _GROUPS = ("model", "data", "experiment")
 _SOURCES = ("model.name_or_path", "data.path", "data.mix")
 FAIL_GRACE_S = 5.0
@@ -121,22 +120,22 @@ def override_keys(overrides: list[str]) -> list[str]:
     return keys
 
 
-def with_embedded_defaults(overrides: list[str], embedded: str = EMBEDDED) -> list[str]:
-    """`overrides` (a command line after the program name) plus `embedded` (EMBEDDED: dtrain.sft's)
-    if they name no model, no dataset and no experiment."""
+def with_embedded_defaults(overrides: list[str], embedded: str) -> list[str]:
+    """`overrides` (a command line after the program name) plus `embedded` (an objective's embedded
+    default, e.g. `+experiment=embedded`) if they name no model, no dataset and no experiment."""
     if any(key in _GROUPS or key.startswith(_SOURCES) for key in override_keys(overrides)):
         return overrides
     return [*overrides, embedded]
 
 
-def fit_embedded_default(cfg: DictConfig, world_size: int, overrides: list[str]) -> str | None:
-    """The embedded default (EMBEDDED, or dtrain.dpo's EMBEDDED_DPO, among Hydra's `overrides`) on any
-    world size: its experiment's
+def fit_embedded_default(cfg: DictConfig, world_size: int, overrides: list[str], embedded: str) -> str | None:
+    """The embedded default (`embedded`, the objective's, if among Hydra's `overrides`) on any world
+    size: its experiment's
     tp (2) where it divides the ranks, else 1; its global batch (32) where dp divides it, else the
     largest multiple of dp below it; the largest micro batch up to the experiment's (16) that divides
     each dp rank's share. Only what the command line does not set itself, in `cfg` (so config.yaml
     holds what runs). Returns what changed, for the run's first line, or None."""
-    if EMBEDDED not in overrides and EMBEDDED_DPO not in overrides:
+    if embedded not in overrides:
         return None
     given = set(override_keys(overrides))
     parallel, train = cfg.parallel, cfg.train

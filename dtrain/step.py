@@ -1,7 +1,7 @@
 """One training step, in the functions the trainer, the planner (dtrain.estimate) and the benchmark
 all run, in the order the loop calls them: this rank's part of each micro-batch on its device, the
 step's token counts, forward, loss and backward of a micro-batch (`micro_step`, SFT's token loss:
-dtrain.objective.TokenLoss runs it), then clip and AdamW (`optimizer_step`); and the eval loss over
+dtrain.objectives.sft.TokenLoss runs it), then clip and AdamW (`optimizer_step`); and the eval loss over
 the eval set."""
 
 from __future__ import annotations

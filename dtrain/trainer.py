@@ -24,14 +24,13 @@ from dtrain.export import export_hf, export_merged
 from dtrain.faults import Faults
 from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_flops
 from dtrain.model import build_model, has_weights, tokenizer_source
-from dtrain.objective import Objective, build_objective
+from dtrain.objectives import Context, Objective, build_objective
 from dtrain.optim import build_optimizer, build_scheduler, trainable_parameters
 from dtrain.parallel.experts import idle_parameters
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
-from dtrain.reference import precomputed
 from dtrain.reliability import Preempted, StallWatch, StepGuard
 from dtrain.sinks import Sink, open_sinks
-from dtrain.step import local_micro_batch, optimizer_step
+from dtrain.step import optimizer_step
 
 log = logging.getLogger("dtrain")
 
@@ -101,12 +100,10 @@ def start_run(
         config.train.max_steps = steps_for_epochs(config.train, len(data.train))
     scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
     progress = load(resume_from, model, optimizer, scheduler, data.train) if resume_from else Progress()
-    # SFT's token loss, or DPO's pair loss with its reference (precomputed now, at step 0)
+    # the config's objective: SFT's token loss, DPO's pair loss with its reference (precomputed now) ...
     frozen = functools.partial(build_model, model_config, config, parallel, device, vocab_rows, frozen=True)
-    table = functools.partial(
-        precomputed, config, model, data.train, parallel, run_dir, progress.step, resume_from
-    )
-    objective = build_objective(config, model, parallel, frozen, table)
+    context = Context(config, model, parallel, frozen, data, run_dir, progress.step, resume_from)
+    objective = build_objective(context)
     faults = Faults.from_env()
     checkpointer = Checkpointer(
         config.checkpoint, checkpoint_dir(config.checkpoint, run_dir), resolved, faults
@@ -168,9 +165,9 @@ def train(
                     run.save(step, tokens_seen)
                 run.checkpointer.wait()
                 raise Preempted(step)
+            read = functools.partial(guard.agreed, step, run.data.train.next_step)
             with meter.waiting_for_data():
-                host_batches = guard.agreed(step, run.data.train.next_step)
-                micro_batches = [local_micro_batch(mb, parallel) for mb in host_batches]
+                micro_batches = objective.next_batches(step, read)
             objective.begin_step(micro_batches)  # the global counts the loss is a mean over
             for mb in micro_batches:
                 objective.micro_step(mb)

@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dtrain.fused_loss import FusedLinearCrossEntropy
 from dtrain.model import canonical_name
-from dtrain.objective import Objective
+from dtrain.objectives import Objective
 from dtrain.parallel.parallelize import reshard
 from dtrain.step import optimizer_step
 

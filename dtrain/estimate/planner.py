@@ -32,7 +32,7 @@ from dtrain.distributed import build_parallel
 from dtrain.estimate.deepspeed import ParamCensus, census
 from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked_micro_batches
 from dtrain.model import allocate, build_meta_model, build_model, load_model_config
-from dtrain.objective import build_objective
+from dtrain.objectives import Context, build_objective
 from dtrain.optim import build_optimizer
 from dtrain.parallel.context import shard_sequence
 from dtrain.parallel.experts import experts_modules, local_weights
@@ -217,11 +217,13 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
                 )
             ]
             objective = build_objective(
-                eager,
-                model,
-                parallel,
-                functools.partial(allocated, reference),
-                lambda: torch.zeros(train.micro_batch_size, 2),  # precompute: a table, no model
+                Context(
+                    eager,
+                    model,
+                    parallel,
+                    frozen_copy=functools.partial(allocated, reference),
+                    reference_table=lambda: torch.zeros(train.micro_batch_size, 2),  # precompute: no model
+                )
             )
             # Warm-up: DTensor's first run of each op, and AdamW's states, before measuring.
             with _computed_expert_bytes(model) as computed:  # hooks only here: nothing in the tracker

@@ -39,7 +39,7 @@ from dtrain.distributed import build_parallel, init_distributed
 from dtrain.estimate.app import compose
 from dtrain.estimate.measure import track_step
 from dtrain.model import build_model, load_model_config, tokenizer_source
-from dtrain.objective import build_objective
+from dtrain.objectives import Context, build_objective
 from dtrain.optim import build_optimizer
 from dtrain.step import local_micro_batch, optimizer_step
 from tests.estimate_scenarios import SCENARIOS
@@ -154,7 +154,8 @@ def run(overrides: list[str], device: torch.device) -> dict:
     batches = build_data(config.data, train, tokenizer, parallel.dp_rank, parallel.dp_size).train
     frozen = functools.partial(build_model, model_config, config, parallel, device, frozen=True)
     # the planner's loss; dtrain.dpo's precompute: a table of the dataset's pairs (values do not matter)
-    objective = build_objective(config, model, parallel, frozen, lambda: torch.zeros(len(batches), 2))
+    table = lambda: torch.zeros(len(batches), 2)  # noqa: E731
+    objective = build_objective(Context(config, model, parallel, frozen, reference_table=table))
 
     def step_batches() -> list[dict[str, torch.Tensor]]:
         return [local_micro_batch(mb, parallel) for mb in batches.next_step()]  # in order

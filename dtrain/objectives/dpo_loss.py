@@ -1,6 +1,6 @@
 """DPO's loss on the mesh (dtrain.dpo): each sequence's log-probability, the pair losses, and the
-forward + loss + backward of a micro-batch of pairs (`micro_step`, which dtrain.objective.PairLoss
-runs, as TokenLoss runs dtrain.step.micro_step).
+forward + loss + backward of a micro-batch of pairs (`micro_step`, which dtrain.objectives.dpo.PairLoss
+runs, as dtrain.objectives.sft.TokenLoss runs dtrain.step.micro_step).
 
 A sequence's log-probability is the sum of its completion tokens' log-probabilities (fp32), as
 TRL's DPOTrainer sums them: per token from the vocabulary-sharded head without the full logits

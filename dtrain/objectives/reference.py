@@ -33,8 +33,8 @@ from dtrain.config import Config, ConfigError
 from dtrain.data.loader import SFTLoader
 from dtrain.data.pairs import Pairs
 from dtrain.distributed import Parallel
-from dtrain.dpo_loss import sequence_logps
 from dtrain.loss import LossSettings, loss_context
+from dtrain.objectives.dpo_loss import sequence_logps
 from dtrain.parallel.lora import adapters_bypassed
 from dtrain.parallel.parallelize import reshard
 from dtrain.step import local_micro_batch
