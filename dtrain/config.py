@@ -359,6 +359,40 @@ class DPOConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """How an online objective samples its completions: the fields of dtrain.grpo's `grpo` group (and
+    dtrain.distill's on-policy ones), named and defaulted as TRL 1.16's GRPOConfig; the rollout engine
+    (dtrain/rollout/) samples with them."""
+
+    num_generations: int = 8
+    """G: completions sampled per prompt."""
+    max_completion_length: int = 512
+    """Tokens a completion may have; one stopped there without its EOS is truncated."""
+    temperature: float = 1.0
+    """Sampling temperature; the log-probabilities trained on are computed from the logits divided by it."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probabilities sum to at least this."""
+    top_k: int = 0
+    """Sample among the k most probable tokens; 0: all."""
+    min_p: float | None = None
+    """Drop tokens whose probability is below this times the most probable one's; unset: none."""
+    repetition_penalty: float = 1.0
+    """transformers' (and vLLM's) repetition penalty; 1: none."""
+
+
+@dataclass
+class RolloutConfig:
+    """Where an online objective's completions come from (dtrain/rollout/)."""
+
+    engine: str = "hf"
+    """`hf`: transformers' generate on a copy of the policy (CPU and GPU); `vllm`: vLLM colocated with
+    the trainer (GPU, the dtrain[vllm] extra); `file`: completions read from `rollout.path`."""
+    path: str | None = None
+    """`file`: a JSONL of `{"prompt": ..., "completions": [...]}` per prompt, in data order (a run's
+    own `rollouts.jsonl` replays it)."""
+
+
+@dataclass
 class WandbConfig:
     mode: str = "disabled"
     """`online`, `offline` (writes under the run folder) or `disabled`. Online without credentials logs
