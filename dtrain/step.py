@@ -44,14 +44,22 @@ def with_filled_slots(micro_batch: dict[str, Any]) -> dict[str, Any]:
 
 def global_counts(
     micro_batches: list[dict[str, Any]], parallel: Parallel
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's supervised tokens (the loss is a token mean over them) and non-pad slots (for the
-    padding fraction), counted over every micro-batch of every dp and cp rank."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's supervised tokens (the loss is a token mean over them), non-pad slots and slots (for
+    the padding fraction and the input throughput: the rows the step really holds, packed or not),
+    counted over every micro-batch of every dp and cp rank."""
     counts = sum(
-        torch.stack([(mb["labels"] != IGNORE).sum(), mb["num_tokens"].sum()]) for mb in micro_batches
+        torch.stack(
+            [
+                (mb["labels"] != IGNORE).sum(),
+                mb["num_tokens"].sum(),
+                torch.tensor(mb["input_ids"].numel(), device=mb["input_ids"].device),
+            ]
+        )
+        for mb in micro_batches
     ).float()
     dist.all_reduce(counts, group=parallel.token_group)
-    return counts[0], counts[1]
+    return counts[0], counts[1], counts[2]
 
 
 def micro_step(

@@ -113,7 +113,7 @@ def start_run(
     trainable = sum(p.numel() for p in trainable_parameters(model))  # LoRA: no base weight gradients
     active = num_params - idle_parameters(model)  # a mixture of experts: the top-k experts' share
     flops = flops_per_token(model_config, active, config.data.max_len, min(trainable, active))
-    meter = StepMeter(config.train, config.data.max_len, flops, peak_flops(device), device, progress.step)
+    meter = StepMeter(config.train, flops, peak_flops(device), device, progress.step)
     shard_sizes = gather_shard_sizes(model)  # a collective: every rank, before rank 0 logs
     sinks = []
     if dist.get_rank() == 0:
@@ -190,7 +190,8 @@ def train(
                     run.emit({"step": done, **objective.evaluate(run.data.eval)})
             if meter.due(done):
                 figures = objective.figures()  # reduced over the ranks
-                logged = figures.loss, grad_norm.item(), lr, figures.tokens, figures.filled
+                counts = figures.supervised, figures.filled, figures.slots
+                logged = figures.loss, grad_norm.item(), lr, figures.tokens, counts
                 run.emit({**meter.record(done, *logged, guard.skipped), **figures.extra})
                 stall.check(done, figures.loss, logged[1])
 

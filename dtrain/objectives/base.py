@@ -49,12 +49,16 @@ HostBatches = list[dict[str, torch.Tensor]]  # one step of a rank's micro-batche
 @dataclass
 class StepFigures:
     """A step's logged figures, the same on every rank: its loss (what was differentiated, the aux
-    term included), supervised tokens, non-pad slots, and the objective's own figures."""
+    term included), its supervised tokens, and the objective's own figures; with the counts of every
+    step since the last logged one (throughput and padding are measured over them): supervised tokens,
+    non-pad slots and slots (the rows the steps really held, every rank's)."""
 
     loss: float
     tokens: int
-    filled: float
     extra: dict[str, Any] = field(default_factory=dict)
+    supervised: float = 0.0
+    filled: float = 0.0
+    slots: float = 0.0
 
 
 class Objective:
@@ -67,6 +71,11 @@ class Objective:
         # mixture of experts: routing figures and the aux loss (moe: its scope and padding)
         self.router = RouterStats.attach(model, parallel, moe)
         self.tokens = torch.zeros((), device=parallel.device)  # the step's supervised tokens
+        # the step's non-pad slots and slots, every rank's (`count` sets them with `tokens`)
+        self.filled = torch.zeros((), device=parallel.device)
+        self.slots = torch.zeros((), device=parallel.device)
+        # supervised tokens, non-pad slots and slots since the last logged step (on the device: no wait)
+        self.interval = torch.zeros(3, device=parallel.device)
         self.frozen: list[torch.nn.Module] = []  # models it runs besides `model` (DPO's live reference)
 
     def next_batches(self, step: int, read: Callable[[], HostBatches]) -> list[dict[str, Any]]:
@@ -78,13 +87,17 @@ class Objective:
         """The step's global counts (`count`), then the router's start of the step, whose counting
         forward (aux loss only) runs the objective's own forward."""
         self.count(micro_batches)
+        self.interval += torch.stack([self.tokens, self.filled, self.slots])
         if self.router is not None:
             with loss_context(self.loss.parallel):
                 self.router.begin_step(micro_batches, self.forward)
 
     def figures(self) -> StepFigures:
-        """The step's figures (a collective: every rank calls it)."""
+        """The step's figures (a collective: every rank calls it), with the counts since the last
+        logged step (then started again)."""
         figures = self.reduce()
+        figures.supervised, figures.filled, figures.slots = self.interval.tolist()
+        self.interval.zero_()
         if self.router is not None:
             routing = self.router.figures()
             figures.loss += self.router.coef * routing.get("aux_loss", 0.0)  # the loss HF trains with
@@ -92,6 +105,8 @@ class Objective:
         return figures
 
     def count(self, micro_batches: list[dict[str, Any]]) -> None:
+        """The step's global counts: `tokens`, `filled` and `slots` (dtrain.step.global_counts), and
+        what else the objective's loss is a mean over."""
         raise NotImplementedError
 
     def forward(self, micro_batch: dict[str, Any]) -> Any:

@@ -42,7 +42,7 @@ class PairLoss(Objective):
             self.frozen.append(reference.model)
 
     def count(self, micro_batches: list[dict[str, Any]]) -> None:
-        self.tokens, self.filled = global_counts(micro_batches, self.parallel)
+        self.tokens, self.filled, self.slots = global_counts(micro_batches, self.parallel)
         pairs = sum(mb["pair_index"].numel() for mb in micro_batches)
         self.pairs = torch.tensor(float(pairs), device=self.parallel.device)
         dist.all_reduce(self.pairs, group=self.parallel["dp"].get_group())  # tp, cp ranks: the same pairs
@@ -79,7 +79,7 @@ class PairLoss(Objective):
         figures.pop("nll")
         if self.settings.sft_weight:
             figures["nll_loss"] = nll
-        return StepFigures(loss, int(self.tokens.item()), self.filled.item(), figures)
+        return StepFigures(loss, int(self.tokens.item()), figures)
 
 
 def build(context: Context) -> PairLoss:

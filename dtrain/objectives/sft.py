@@ -20,7 +20,7 @@ class TokenLoss(Objective):
     every micro-batch of every dp and cp rank (a token mean of the global batch on any mesh)."""
 
     def count(self, micro_batches: list[dict[str, Any]]) -> None:
-        self.tokens, self.filled = global_counts(micro_batches, self.parallel)
+        self.tokens, self.filled, self.slots = global_counts(micro_batches, self.parallel)
         self.loss_sum = torch.zeros((), device=self.parallel.device)
 
     def forward(self, micro_batch: dict[str, Any]) -> torch.Tensor:
@@ -32,7 +32,7 @@ class TokenLoss(Objective):
     def reduce(self) -> StepFigures:
         dist.all_reduce(self.loss_sum, group=self.parallel.token_group)
         mean = (self.loss_sum / self.tokens).item()
-        return StepFigures(mean, int(self.tokens.item()), self.filled.item())
+        return StepFigures(mean, int(self.tokens.item()))
 
     def evaluate(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         return evaluate(self.model, micro_batches, self.parallel, *self.loss)
