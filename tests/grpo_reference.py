@@ -79,10 +79,13 @@ def trl_args(
     schedule: str = "cosine",
     warmup_steps: int = 0,
     seed: int = 0,
+    accumulation: int = 1,
     **grpo: Any,
 ):
     """GRPOConfig of the runs dtrain must reproduce: `batch` completions per optimizer step in one
-    micro-batch (per_device_train_batch_size, no accumulation), AdamW (fused, dtrain's), clipping,
+    micro-batch (per_device_train_batch_size; `accumulation` > 1 splits it into that many
+    micro-batches, TRL's own multi-micro-batch behaviour, which dtrain does not reproduce where it
+    depends on the split: docs/grpo_trl_notes.md), AdamW (fused, dtrain's), clipping,
     `schedule` after `warmup_steps` (dtrain's defaults), the records in file order, fp32 on the CPU,
     no gradient checkpointing (exact either way, slower). `grpo`: GRPOConfig's own keys (beta,
     loss_type, num_iterations, steps_per_generation, epsilon, epsilon_high, delta,
@@ -90,10 +93,11 @@ def trl_args(
     reward_weights, temperature, router_aux_loss_coef, ...)."""
     from trl import GRPOConfig
 
+    assert batch % accumulation == 0, f"{batch} completions a step in {accumulation} micro-batches"
     return GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-grpo-"),
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=batch // accumulation,
+        gradient_accumulation_steps=accumulation,
         max_steps=steps,
         learning_rate=lr,
         lr_scheduler_type=schedule,
@@ -231,7 +235,10 @@ def trl_run(
     completions per optimizer step. `peft`: a LoraConfig's keyword arguments (TRL wraps the model,
     its reference is the adapters off); `adapters`: PEFT saved names → initial LoRA weights copied
     into that adapter (every one of its weights); `adapter`: a PEFT adapter folder to start from
-    (PeftModel.from_pretrained; TRL's reference is then a frozen copy of it). `settings`: trl_args'.
+    (PeftModel.from_pretrained; TRL's reference is then a frozen copy of it). `shuffle`: the
+    generation batch's order before TRL splits it over steps_per_generation ("trl": TRL's own random
+    draw; "identity"; or one permutation a generation). `settings`: trl_args' (optimizer, schedule,
+    seed, accumulation and GRPOConfig's keys).
 
     Returns {"metrics": {TRL's logged name: one value a step, None where that step logged none
     (reward metrics are logged only on the steps that generate)}, "history": each step's log
@@ -239,9 +246,10 @@ def trl_run(
     record of each generation-batch row), prompt_ids, completion_ids, completions (what the reward
     functions got), rewards (a row a completion, a column a function, NaN for None), advantages,
     order (the permutation before the split) and steps (the generation-batch rows of each of its
-    optimizer steps), "initial" (the trainable weights TRL started from, PEFT saved names for
-    adapters: with `peft`), and with `weights`: "params" (the trained trainable weights, the same
-    names) and "allowance" (tests/tolerance.py's AdamAllowance of each element)}."""
+    micro-batches: one an optimizer step at accumulation 1), "initial" (the trainable weights TRL
+    started from, PEFT saved names for adapters: with `peft` or `adapter`), and with `weights`:
+    "params" (the trained trainable weights, the same names) and "allowance" (tests/tolerance.py's
+    AdamAllowance of each element)}."""
     import trl.trainer.grpo_trainer as grpo_module
     from datasets import Dataset
     from peft import LoraConfig, PeftModel

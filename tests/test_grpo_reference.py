@@ -196,6 +196,7 @@ def test_every_step_is_the_formula_on_the_given_completions(cache, models, token
         hand = by_hand(tokenizer, rows, scale=scale)
         rollout = result["rollouts"][step]
         assert rollout["rows"] == rows and rollout["step"] == step + 1
+        assert sorted(rollout["order"]) == list(range(BATCH)) and rollout["steps"] == [rollout["order"]]
         assert rollout["completion_ids"] == hand["ids"] and rollout["completions"] == hand["texts"]
         assert rollout["prompt_ids"] == [tokenizer(RECORDS[r]["prompt"])["input_ids"] for r in rows]
         expected = loss_by_hand(
@@ -224,9 +225,10 @@ def test_every_step_is_the_formula_on_the_given_completions(cache, models, token
 def test_chat_prompts_use_the_template_with_the_generation_prompt(cache, models, tokenizer):
     """Messages: TRL tokenizes the prompt with the tokenizer's chat template and the generation
     prompt, the reward functions get each completion as one assistant message, the loss is the same
-    formula."""
+    formula. The completions come inside the records, as the file engine writes them."""
     chat = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in RECORDS]
-    result = run(cache, models["llama"], steps=1, records=chat)
+    rollouts = [{**r, "completions": c} for r, c in zip(chat, COMPLETIONS, strict=True)]  # the file format
+    result = run(cache, models["llama"], steps=1, records=rollouts, completions=None)
     rows = generation(0, 2)
     rollout, hand = result["rollouts"][0], by_hand(tokenizer, rows, chat=True)
     template = [
@@ -347,3 +349,24 @@ def test_runs_are_cached_under_their_inputs(cache, models, monkeypatch):
     assert second["metrics"] == first["metrics"]
     with pytest.raises(AssertionError, match="computed again"):
         run(cache, models["llama"], steps=1, beta=0.01)
+
+
+@pytest.mark.slow
+def test_trl_bnpo_depends_on_the_micro_batches_and_dapo_does_not(cache, models, tokenizer):
+    """TRL's own accumulation (two micro-batches of 4, in order): dapo's normaliser is the step's
+    token count, so its loss is the one-micro-batch loss; bnpo's is each micro-batch's own count,
+    averaged over the micro-batches: another value (what dtrain defines over the whole step instead)."""
+    rows = generation(0, 2)
+    hand = by_hand(tokenizer, rows)
+    halves = [
+        {key: hand[key][half] for key in ("advantages", "lengths", "truncated")}
+        for half in (slice(0, 4), slice(4, 8))
+    ]
+    for loss_type in ("dapo", "bnpo"):
+        one = run(cache, models["llama"], loss_type=loss_type)["metrics"]["loss"][0]
+        two = run(cache, models["llama"], steps=1, loss_type=loss_type, accumulation=2, shuffle="identity")
+        assert_scalar_close(one, loss_by_hand(hand, "dapo"), f"{loss_type} one micro-batch")
+        expected = one if loss_type == "dapo" else sum(loss_by_hand(h, "bnpo") for h in halves) / 2
+        assert_scalar_close(two["metrics"]["loss"][0], expected, f"{loss_type} two micro-batches")
+        assert two["rollouts"][0]["steps"] == [list(range(4)), list(range(4, 8))]
+    assert abs(expected - one) > 1e-3 * abs(one)
