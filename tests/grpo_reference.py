@@ -7,14 +7,14 @@ What is replaced, and nothing else (docs/grpo_trl_notes.md has TRL's semantics w
   returns the given completions' ids instead. A text becomes ids by TRL's generation rule: what a
   generator emits for it is its tokens then EOS, stopped at `max_completion_length` new tokens, so
   `(tokenizer(text, add_special_tokens=False).input_ids + [eos_token_id])[:max_completion_length]`
-  (the HF path keeps the tokens up to and including the first EOS, grpo_trainer.py:1870-1880, of at
-  most `max_new_tokens=max_completion_length`, :1140; vLLM returns `output.token_ids`, the EOS that
+  (the HF path keeps the tokens up to and including the first EOS, grpo_trainer.py:1880-1889, of at
+  most `max_new_tokens=max_completion_length`, :1156; vLLM returns `output.token_ids`, the EOS that
   stopped it included, generation/vllm_generation.py:732). Token ids are taken as given (at most
   `max_completion_length`, no EOS before the last). TRL's prompt tokenization, decoding for the
   reward functions, rewards, advantages, old and reference log-probs, loss and normalisers run as
   they are.
 - `shuffle_sequence_dict`, the random permutation of the generation batch before TRL splits it over
-  `steps_per_generation` (grpo_trainer.py:1538), optionally: `shuffle="trl"` keeps TRL's own draw
+  `steps_per_generation` (grpo_trainer.py:1543), optionally: `shuffle="trl"` keeps TRL's own draw
   (recorded in the result), "identity" keeps the generation batch in order (step k of a generation
   takes its rows k·b ... (k+1)·b - 1), or a list gives the permutation of each generation. At one
   step per generation it only reorders the rows of the one micro-batch.

@@ -244,13 +244,23 @@ def test_chat_prompts_use_the_template_with_the_generation_prompt(cache, models,
     assert_scalar_close(result["metrics"]["loss"][0], loss_by_hand(hand, "dapo"), "chat loss")
 
 
+CURVES = {
+    "dapo": dict(loss_type="dapo"),
+    "gspo_clip_higher": dict(
+        loss_type="grpo", importance_sampling_level="sequence", epsilon_high=0.28, delta=1.5
+    ),
+}
+
+
 @pytest.mark.slow
-def test_the_curve_moves_with_kl_and_two_iterations(cache, models, tokenizer):
+@pytest.mark.parametrize("case", CURVES)
+def test_the_curve_moves_with_kl_and_two_iterations(cache, models, tokenizer, case):
     """beta 0.04, num_iterations 2, two steps a generation in a given order: one generation feeds
     four steps (its two halves, twice); step 1 is the formula (dapo's normaliser: the generation's
-    tokens over steps_per_generation) at KL 0; afterwards the KL to the frozen model grows, the same
-    rows give another loss, and the weights have moved."""
+    tokens over steps_per_generation; grpo's: the step's completions) at KL 0; afterwards the KL to
+    the frozen model grows, the same rows give another loss, and the weights have moved."""
     order = [9, 2, 14, 7, 0, 11, 5, 12, 3, 8, 15, 1, 6, 13, 4, 10]
+    loss_type = CURVES[case]["loss_type"]
     result = run(
         cache,
         models["llama"],
@@ -260,6 +270,7 @@ def test_the_curve_moves_with_kl_and_two_iterations(cache, models, tokenizer):
         steps_per_generation=2,
         shuffle=[order],
         weights=True,
+        **CURVES[case],
     )
     metrics, (rollout,) = result["metrics"], result["rollouts"]
     assert rollout["order"] == order and rollout["steps"] == [order[:8], order[8:]]
@@ -269,7 +280,7 @@ def test_the_curve_moves_with_kl_and_two_iterations(cache, models, tokenizer):
         for key, value in hand.items()
         if key not in ("zero_std",)
     }
-    expected = loss_by_hand(step_one, "dapo", normaliser=hand["lengths"].sum().item() / 2)
+    expected = loss_by_hand(step_one, loss_type, normaliser=hand["lengths"].sum().item() / 2)
     assert_scalar_close(metrics["loss"][0], expected, "step 1 loss")
     assert metrics["kl"][0] < 1e-9 < min(metrics["kl"][1:])
     assert metrics["reward"][1:] == [None] * 3  # logged on the generating step only
