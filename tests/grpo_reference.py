@@ -33,6 +33,7 @@ import hashlib
 import inspect
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -303,6 +304,7 @@ def trl_run(
     permute = _shuffle(trainer, shuffle, grpo_module.shuffle_sequence_dict)
     with mock.patch.object(grpo_module, "shuffle_sequence_dict", permute):
         trainer.train()
+    shutil.rmtree(args.output_dir, ignore_errors=True)  # save_strategy="no": nothing of the run's in it
     history = [
         {key: value for key, value in entry.items() if key not in TIMING}
         for entry in trainer.state.log_history
