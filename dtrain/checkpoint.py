@@ -20,7 +20,7 @@ import pickle
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,6 +63,9 @@ class UnreadableCheckpoint(RuntimeError):
 class Progress:
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0  # supervised tokens trained on
+    # the objective's own state (Objective.state_dict: e.g. completions sampled for later steps),
+    # mesh-independent Python values
+    objective: dict[str, Any] = field(default_factory=dict)
 
 
 def checkpoint_dir(settings: CheckpointConfig, run_dir: Path) -> Path:
@@ -238,7 +241,8 @@ def training_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data: Any, progress: Progress
 ) -> dict[str, Any]:
     """What a checkpoint holds. Model and optimizer states are DTensors keyed by parameter name;
-    frozen parameters (a LoRA run's base) are left out: the model's files hold them."""
+    frozen parameters (a LoRA run's base) are left out: the model's files hold them. The objective's
+    state is the same on every rank (rank 0's is written)."""
     model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE)
     return {
         "model": model_state,
@@ -246,6 +250,8 @@ def training_state(
         "scheduler": scheduler.state_dict(),
         "data": data.state_dict(),
         "progress": {"step": progress.step, "tokens_seen": progress.tokens_seen},
+        # one value (DCP would flatten a dict's entries into keys that a load must know in advance)
+        "objective": pickle.dumps(progress.objective),
         "rng": {"cpu": torch.get_rng_state()},
     }
 
@@ -290,7 +296,7 @@ def load(
     scheduler.load_state_dict(state["scheduler"])
     data.load_state_dict(state["data"])
     torch.set_rng_state(state["rng"]["cpu"])
-    progress = Progress(**state["progress"])
+    progress = Progress(**state["progress"], objective=pickle.loads(state["objective"]))
     log.info(f"resumed from {path} at step {progress.step}")
     return progress
 

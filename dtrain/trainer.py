@@ -68,7 +68,7 @@ class Run:
             sink.write(record)
 
     def save(self, step: int, tokens_seen: torch.Tensor) -> None:
-        progress = Progress(step, int(tokens_seen.item()))
+        progress = Progress(step, int(tokens_seen.item()), self.objective.state_dict())
         self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.data.train, progress)
 
     def close(self) -> None:
@@ -104,6 +104,7 @@ def start_run(
     frozen = functools.partial(build_model, model_config, config, parallel, device, vocab_rows, frozen=True)
     context = Context(config, model, parallel, frozen, data, run_dir, progress.step, resume_from)
     objective = build_objective(context)
+    objective.load_state_dict(progress.objective)
     faults = Faults.from_env()
     checkpointer = Checkpointer(
         config.checkpoint, checkpoint_dir(config.checkpoint, run_dir), resolved, faults

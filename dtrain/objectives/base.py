@@ -104,6 +104,14 @@ class Objective:
             figures.extra |= routing
         return figures
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the objective besides the model (e.g. completions sampled for
+        later steps): Python values, the same on every rank, that do not depend on the mesh."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's `state_dict()` (empty at a run's start)."""
+
     def count(self, micro_batches: list[dict[str, Any]]) -> None:
         """The step's global counts: `tokens`, `filled` and `slots` (dtrain.step.global_counts), and
         what else the objective's loss is a mean over."""
