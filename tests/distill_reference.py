@@ -271,16 +271,17 @@ def _load(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-def _saved_name(name: str) -> str:
+def saved_name(name: str) -> str:
     """A parameter's name as PEFT saves it (the adapter name `default` left out)."""
     return name.replace(".default.", ".")
 
 
-def _load_adapters(model, lora: Lora | None) -> None:
+def load_adapters(model, lora: Lora | None) -> None:
+    """Copy `lora.adapters` (PEFT's saved names) into a PEFT model's parameters."""
     if lora is None or not lora.adapters:
         return
     state = dict(model.named_parameters())
-    by_saved = {_saved_name(name): param for name, param in state.items()}
+    by_saved = {saved_name(name): param for name, param in state.items()}
     missing = sorted(set(lora.adapters) - set(by_saved))
     if missing:
         raise KeyError(f"adapters name no parameter of the PEFT model: {missing[:4]}")
@@ -333,7 +334,7 @@ class _Recorder:
 
 
 def _trainable(model) -> dict[str, torch.Tensor]:
-    return {_saved_name(name): p for name, p in model.named_parameters() if p.requires_grad}
+    return {saved_name(name): p for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _history(trainer, recorder: _Recorder, recipe: Recipe, weights: bool) -> dict:
@@ -398,7 +399,7 @@ def gkd_trainer(
         # the loss with both logits divided by T: TRL's own function, called with the temperature
         divided = functools.partial(GKDTrainer.generalized_jsd_loss, temperature=temperature)
         trainer.generalized_jsd_loss = divided
-    _load_adapters(trainer.model, lora)
+    load_adapters(trainer.model, lora)
     return trainer
 
 
@@ -492,7 +493,7 @@ def distillation_trainer(
         return [list(table[tuple(ids)]) for ids in prompt_ids]
 
     trainer._generate_single_turn = fixed_single_turn
-    _load_adapters(trainer.model, lora)
+    load_adapters(trainer.model, lora)
     return trainer
 
 
