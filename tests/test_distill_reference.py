@@ -41,7 +41,7 @@ from tests.tolerance import RTOL, assert_close, assert_scalar_close
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "dtrain" / "assets" / "tiny_llama"
 VOCAB = 1024
-STEPS, BATCH, LR = 2, 4, 1e-2
+STEPS, BATCH, LR = 2, 4, 1e-3
 RECIPE = ref.Recipe(steps=STEPS, batch=BATCH, lr=LR)
 BETAS = (0.0, 0.5, 1.0)
 T = 2.0
