@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from dtrain.config import TrainConfig
 from dtrain.data.pipeline import build_data
-from tests import grpo_reference, reference, tolerance
+from tests import distill_reference, grpo_reference, reference, tolerance
 from tests.helpers import DATASET, GLOBAL_BATCH, MAX_LEN, STEPS, TOKENIZER, parity_config
 
 pytestmark = pytest.mark.slow  # tokenizing the 4000 records twice (dtrain's map, the reference's loop)
@@ -130,10 +130,12 @@ def absolute_imports(module) -> set[str]:
     return imported
 
 
-@pytest.mark.parametrize("module", [reference, grpo_reference], ids=lambda module: module.__name__)
+@pytest.mark.parametrize(
+    "module", [reference, grpo_reference, distill_reference], ids=lambda module: module.__name__
+)
 def test_the_reference_imports_nothing_of_dtrain(module):
-    """tests/reference.py's and tests/grpo_reference.py's independence, read from their import
-    statements: neither dtrain nor the tests' own modules (tests.helpers imports dtrain), but
+    """The independence of tests/reference.py, grpo_reference.py and distill_reference.py, read from
+    their import statements: neither dtrain nor the tests' own modules (tests.helpers imports dtrain), but
     tests.tolerance (the AdamW allowance each sizes from its own run), which imports neither."""
     imported = absolute_imports(module)
     ours = {name for name in imported if name.split(".")[0] in ("dtrain", "tests")}
