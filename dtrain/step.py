@@ -53,7 +53,8 @@ def global_counts(
             [
                 (mb["labels"] != IGNORE).sum(),
                 mb["num_tokens"].sum(),
-                torch.tensor(mb["input_ids"].numel(), device=mb["input_ids"].device),
+                # a fill on the device, not a copy from the host
+                torch.full((), mb["input_ids"].numel(), device=mb["input_ids"].device),
             ]
         )
         for mb in micro_batches
