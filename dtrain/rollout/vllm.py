@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.core_model_loading import revert_weight_conversion
 
 from dtrain.config import ConfigError, RolloutConfig, SamplingConfig
-from dtrain.model import plain_config
+from dtrain.model import plain_config, save_config
 from dtrain.rollout import Completion, Prompt
 from dtrain.rollout.sampling import completion_seed, cut
 from dtrain.rollout.weights import hf_weights
@@ -98,8 +98,6 @@ def meta_reference(model_config: PretrainedConfig) -> nn.Module:
 
 def write_model_folder(model_config: PretrainedConfig, folder: Path, dtype: torch.dtype) -> None:
     """Collective. The folder vLLM builds from: the policy's config.json, written by rank 0."""
-    from dtrain.export import save_config
-
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
         save_config(model_config, folder, dtype)
