@@ -7,7 +7,9 @@ A policy built as the trainer builds it (a small Llama, random init, bf16 comput
    against the trainer's, `log_softmax(logits / T)` of its bf16 forward on prompt + completion;
 2. the control: those vLLM log-probs against the trainer's after the policy changed (its final norm
    scaled by 1.25) without a sync, which must be far outside the tolerance (a stale sync shows);
-3. after the sync of the changed policy (sleep mode had discarded vLLM's weights), 1 again.
+3. after the sync of the changed policy (sleep mode had discarded vLLM's weights), 1 again;
+and each completion of 1 ends with its EOS id (kept in the ids, as TRL counts it) or is
+max_completion_length ids long (the EOS row of lm_head is scaled up, so that some end early).
 
 The tolerance is bf16's effect on this model and these tokens, measured in the same run: the same
 policy's fp32 forward (its fp32 master weights) is the exact value; `E` is the largest gap between
@@ -85,6 +87,7 @@ DRY_PROMPTS = 2
 BF16_UNIT = 2.0**-8
 MARGIN = 3.0
 NORM_SCALE = 1.25
+EOS_BOOST = 6.0
 
 
 def policy(precision: str, device: torch.device) -> torch.nn.Module:
@@ -121,6 +124,24 @@ def trainer_logprobs(
 
 def vllm_logprobs(completions) -> list[float]:
     return [value for group in completions for completion in group for value in completion.logprobs]
+
+
+@torch.no_grad()
+def boost_eos(model: torch.nn.Module) -> None:
+    """The EOS row of lm_head times EOS_BOOST, so that some completions end before
+    max_completion_length (each row of the whole matrix on this one-rank mesh)."""
+    reshard(model)
+    weight = model.lm_head.weight
+    (weight.to_local() if isinstance(weight, DTensor) else weight)[EOS].mul_(EOS_BOOST)
+
+
+def ends(completions, eos: int, length: int) -> dict[str, int]:
+    """How the completions ended: `stopped` (the EOS their last id), `cut` (max_completion_length ids
+    without an EOS) and `bad` (neither: an engine that dropped the EOS or stopped early)."""
+    flat = [c for group in completions for c in group]
+    stopped = sum(not c.truncated and c.ids[-1] == eos for c in flat)
+    cut = sum(c.truncated and len(c.ids) == length and eos not in c.ids for c in flat)
+    return {"stopped": stopped, "cut": cut, "bad": len(flat) - stopped - cut}
 
 
 @torch.no_grad()
@@ -192,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     device = init_distributed(timeout_s=600)
     sampling = DRY_SAMPLING if args.dry_run else SAMPLING
     bf16, fp32 = policy("bf16", device), policy("fp32", device)
+    boost_eos(bf16), boost_eos(fp32)
     folder = Path(tempfile.mkdtemp(prefix="dtrain-vllm-"))
     llm = StandInLLM(bf16.config, torch.bfloat16) if args.dry_run else None
     params = StandInParams if args.dry_run else None
@@ -211,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     results["tokens_per_s"] = sum(len(c.ids) for group in completions for c in group) / seconds
     results["synced"] = compare(bf16, fp32, prompts, completions, device, temperature, "1. synced")
+    results["ends"] = ends(completions, EOS, sampling.max_completion_length)
+    print(f"   completions {results['ends']}: each ends with its EOS or is max_completion_length long")
 
     scale_final_norm(bf16), scale_final_norm(fp32)
     results["stale"] = compare(
@@ -224,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     again = engine.generate(prompts, 1)
     results["resynced"] = compare(bf16, fp32, prompts, again, device, temperature, "3. synced again")
     failed = [name for name in ("synced", "stale", "resynced") if not results[name]["ok"]]
+    failed += ["ends"] if results["ends"]["bad"] else []
     results["failed"] = failed
     print(
         f"vLLM {results['vllm']}: {results['tokens_per_s']:.0f} tokens/s; "
