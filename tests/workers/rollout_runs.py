@@ -49,8 +49,7 @@ SCENARIOS = {
     4: {
         "dp4": ("llama", 4, 1, 1, {}),
         "2x2": ("llama", 2, 2, 1, {"train": True, "vllm": True}),  # the vocabulary padded for tp 2
-        "2x2_lora": ("llama", 2, 2, 1, {"lora": "fp32"}),  # a PEFT adapter merged on a padded vocabulary
-        "2x2_qlora": ("llama", 2, 2, 1, {"lora": "nf4"}),  # the NF4 base dequantized, then merged
+        "2x2_qlora": ("llama", 2, 2, 1, {"lora": "nf4"}),  # NF4 dequantized, merged; the vocabulary padded
         "2x2_phi3_lora": ("phi3", 2, 2, 1, {"lora": "fp32"}),  # split qkv/gate_up, one A per fused module
         "moe_2x2_ep2": ("moe", 2, 2, 2, {"vllm": True}),  # experts over ep, one tensor each for vLLM
     },
