@@ -132,7 +132,7 @@ def assert_made_its_outputs(args: list[str], folder: Path, index: int, stdout: s
             # the sweep's folder is named by its overrides; the README's plot command names it, and
             # the plot's test checks that name
             (jobs,) = [len(a.split("=", 1)[1].split(",")) for a in args if "=" in a and "," in a]
-            (sweep,) = [path for path in (folder / "multirun").iterdir() if path.is_dir()]
+            (sweep,) = [path for path in (folder / "multirun").glob("*/*") if path.is_dir()]
             for job in range(jobs):
                 assert read_metrics(sweep / str(job))[-1]["step"] == 2, job
             return
