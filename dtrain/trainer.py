@@ -120,7 +120,7 @@ def start_run(
     if dist.get_rank() == 0:
         sinks = open_sinks(config, resolved, run_dir, progress.step)
         log_summary(
-            model, parallel, config, num_params, trainable, shard_sizes, data.num_examples, tokenizer_folder
+            model, parallel, config, num_params, trainable, shard_sizes, data.examples(), tokenizer_folder
         )
     guard = StepGuard(config.train, faults, save_due=checkpointer.due_by_time)
     return Run(
@@ -231,7 +231,7 @@ def log_summary(
     num_params: int,
     trainable: int,
     shard_sizes: list[int],
-    n: int,
+    examples: str,
     tokenizer_folder: str,
 ) -> None:
     train = config.train
@@ -249,7 +249,7 @@ def log_summary(
         f"({100 * trainable / num_params:.2f} %){adapters_note(model, config)}, per-rank shards "
         f"{describe_sizes(shard_sizes)} | mesh {mesh} "
         f"on {parallel.device.type} | global batch {train.global_batch_size}, micro batch "
-        f"{train.micro_batch_size}, {accumulation} accumulation steps | {n} examples, "
+        f"{train.micro_batch_size}, {accumulation} accumulation steps | {examples}, "
         f"max_len {config.data.max_len} | loss {config.parallel.loss_impl}"
     )
 
