@@ -1,11 +1,14 @@
 """Every objective (dtrain/objectives/: OBJECTIVES) is an entry point wherever a user meets one: the
-package's description names it, its runs have folders of their own, and its own group names them.
+package's description names it, the launch scripts take it, its runs have folders of their own, and
+its own group names them.
 Each rule reads OBJECTIVES, so an objective added there (dtrain.grpo, dtrain.distill) fails here until
 it is everywhere."""
 
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
 from dataclasses import fields
 
 import yaml
@@ -60,3 +63,24 @@ def test_what_names_a_run_folder_is_one_list_that_the_readme_gives():
     for spec in OBJECTIVES.values():
         if spec.name in {group.name for group in fields(spec.schema)}:
             assert spec.name in RUN_IDENTITY, f"{spec.name}'s own group does not name its run folders"
+
+
+def entry_point_of(*args: str) -> subprocess.CompletedProcess:
+    """What the launch scripts make of their arguments (launch/entry_point.sh): MODULE and the rest."""
+    script = f'ROOT={shlex.quote(str(ROOT))}; source "$ROOT/launch/entry_point.sh"; echo "$MODULE" "$@"'
+    return subprocess.run(["bash", "-c", script, "launch", *args], capture_output=True, text=True)
+
+
+def test_the_launch_scripts_take_every_entry_point_and_refuse_other_words():
+    """`./launch/local.sh NAME overrides` runs dtrain.NAME for every objective, dtrain.sft without a
+    NAME; a word that is no entry point is refused in one line naming them all (exit 2)."""
+    for name in OBJECTIVES:
+        assert entry_point_of(name, "optim.lr=1e-4").stdout == f"dtrain.{name} optim.lr=1e-4\n"
+    assert entry_point_of("optim.lr=1e-4").stdout == "dtrain.sft optim.lr=1e-4\n"
+    assert entry_point_of("+experiment=embedded_dpo").stdout == "dtrain.sft +experiment=embedded_dpo\n"
+    refused = entry_point_of("estimate", "optim.lr=1e-4")
+    assert refused.returncode == 2 and refused.stdout == "", refused
+    assert refused.stderr == (
+        "dtrain: error: estimate is not an entry point: the first argument, if not an override "
+        f"(KEY=VALUE), is one of {', '.join(sorted(OBJECTIVES))}\n"
+    )
