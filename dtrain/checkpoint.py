@@ -20,7 +20,7 @@ import pickle
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from dtrain.config import RUN_IDENTITY, CheckpointConfig, ConfigError
+from dtrain.config import RUN_IDENTITY, CheckpointConfig, Config, ConfigError
 from dtrain.faults import Faults
 from dtrain.reliability import agreed_error
 
@@ -218,6 +218,7 @@ def other_run_in(run_dir: Path, directory: Path, resolved: dict[str, Any]) -> st
     """Describe the first sign that run_dir or the checkpoint folder belongs to a different run
     (whose metrics would be appended to, or whose checkpoints resume=auto would load), or None."""
     mine = _identity(resolved)
+    shared = {group.name for group in fields(Config)}  # every entry point's groups
     previous = []
     if (run_dir / "config.yaml").is_file() and (run_dir / "metrics.jsonl").is_file():
         from omegaconf import OmegaConf
@@ -231,6 +232,10 @@ def other_run_in(run_dir: Path, directory: Path, resolved: dict[str, Any]) -> st
             previous.append((newest, saved_config(newest)))
     for source, config in previous:
         theirs = _identity(config)
+        for key in RUN_IDENTITY:  # an objective's own group (dpo) in one alone: another entry point's run
+            if key not in shared and (theirs[key] is None) != (mine[key] is None):
+                has = "has" if mine[key] is None else "has no"
+                return f"{source} is from another entry point's run (it {has} the {key} group)"
         for key in RUN_IDENTITY:
             if theirs[key] != mine[key]:
                 return f"{source} is from a run with a different {key}"

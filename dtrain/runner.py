@@ -35,18 +35,20 @@ from dtrain.checkpoint import (
     saved_step,
 )
 from dtrain.checks import check_config
-from dtrain.config import ConfigError, to_config
+from dtrain.config import ConfigError, TrainConfig, to_config
 from dtrain.distributed import init_distributed, rank_from_env, shutdown, world_size_from_env
 from dtrain.hydra_glue import (
     EXIT_CONFIG_ERROR,
     JobFailed,
     check_run_folder,
-    discard_new_run_folder,
     fail,
     fit_embedded_default,
+    keep_other_ranks_out,
     output_folder,
     pin_run_name,
     register,
+    run_folder,
+    undo_start,
     with_embedded_defaults,
 )
 from dtrain.model import load_model_config, resolve_init
@@ -91,7 +93,7 @@ def run_job(cfg: DictConfig, objective: ObjectiveSpec) -> None:
         model_config = load_model_config(config.model)
         shape = check_config(config, world_size_from_env(), model_config)
         config.model.init = resolve_init(config.model)
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        run_dir = run_folder(HydraConfig.get().runtime.output_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)
         resolved["model"]["init"] = config.model.init  # config.yaml shows what ran (auto resolved)
         resolved["parallel"]["loss_impl"] = config.parallel.loss_impl  # likewise (check_config)
@@ -107,8 +109,14 @@ def run_job(cfg: DictConfig, objective: ObjectiveSpec) -> None:
         resume_from = find_resume_path(config.checkpoint, checkpoints)
     except ConfigError as error:
         if not sweeping:
-            discard_new_run_folder()
+            undo_start()
         end(str(error))
+    finished = nothing_to_train(run_dir, resume_from, config.train)
+    if finished:
+        log.info(finished)
+        if not sweeping:
+            undo_start()
+        return
     if config.train.epochs is None and config.optim.warmup_steps > config.train.max_steps:
         log.warning(
             f"optim.warmup_steps={config.optim.warmup_steps} is longer than the run "
@@ -135,7 +143,7 @@ def run_job(cfg: DictConfig, objective: ObjectiveSpec) -> None:
             )
     except (ConfigError, CheckpointError, RankFailure) as error:  # raised alike on every rank
         if not sweeping:
-            discard_new_run_folder()
+            undo_start()
         end(str(error))
     except Preempted as preempted:
         fail(str(preempted), EXIT_PREEMPTED, prefix="")  # the whole sweep stops: the machine goes
@@ -156,16 +164,41 @@ def run_job(cfg: DictConfig, objective: ObjectiveSpec) -> None:
 def first_line(run_dir: Path, resume_from: Path | None, start_over: bool, fitted: str | None = None) -> str:
     """What the run does with its folder: `resuming outputs/NAME at step 22`, or starting; and how
     the embedded default was fitted to the world size (fit_embedded_default), if it was."""
-    shown = os.path.relpath(run_dir) if run_dir.resolve().is_relative_to(Path.cwd()) else str(run_dir)
     notes = [fitted] if fitted else []
     if resume_from is None:
         if start_over:
             notes.insert(0, "checkpoint.resume=never: its earlier checkpoints and metrics are removed")
-        line = f"starting {shown}"
+        line = f"starting {shown(run_dir)}"
     else:
         source = "" if resume_from.parent == run_dir / "checkpoints" else f" from {resume_from}"
-        line = f"resuming {shown}{source} at step {saved_step(resume_from)}"
+        line = f"resuming {shown(run_dir)}{source} at step {saved_step(resume_from)}"
     return f"{line} ({'; '.join(notes)})" if notes else line
+
+
+def nothing_to_train(run_dir: Path, resume_from: Path | None, settings: TrainConfig) -> str | None:
+    """Why the run would train no step, in one line (its checkpoint is at train.max_steps or past
+    it: a finished run rerun, or with a smaller train.max_steps), or None. Nothing is written then:
+    config.yaml keeps describing what the folder holds. (With train.epochs the step count is known
+    only once the data are: such a run starts and trains no step.)"""
+    if resume_from is None or settings.epochs is not None:
+        return None
+    try:
+        step = saved_step(resume_from)
+    except (OSError, ValueError, KeyError):  # unreadable: resume sets it aside and tries the one before
+        return None
+    if step < settings.max_steps:
+        return None
+    where = shown(run_dir) if resume_from.parent == run_dir / "checkpoints" else f"checkpoint {resume_from}"
+    done = "finished" if step == settings.max_steps else f"past train.max_steps={settings.max_steps}"
+    return (
+        f"{where} is at step {step}, {done}: nothing to train, and the folder is left as it was "
+        "(a larger train.max_steps continues the run; checkpoint.resume=never starts it over)"
+    )
+
+
+def shown(path: Path) -> str:
+    """A path as the user named it: relative to the working folder where it is inside it."""
+    return os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else str(path)
 
 
 def check_model_folder(name_or_path: str | None) -> None:
@@ -204,15 +237,16 @@ def main(entry: Callable[[], None], objective: ObjectiveSpec) -> None:
     register(objective.schema, default_precision)
     die_with_launcher()  # under torchrun: never outlive it
     with scheduler_signals_held():  # a SIGTERM while starting: save after the first step, exit 75
-        run_command(entry, objective.embedded)
+        run_command(entry, objective)
 
 
-def run_command(entry: Callable[[], None], embedded: str) -> None:
-    sys.argv[1:] = with_embedded_defaults(sys.argv[1:], embedded)
+def run_command(entry: Callable[[], None], objective: ObjectiveSpec) -> None:
+    sys.argv[1:] = with_embedded_defaults(sys.argv[1:], objective.embedded)
+    sweeping = "--multirun" in sys.argv or "-m" in sys.argv
     try:
-        # The run (or sweep) folder's name, from the command line: every rank and node computes the
-        # same one; pinned now so that submitit's jobs, which run elsewhere, share it.
-        pin_run_name(sys.argv[1:])
+        # The run (or sweep) folder's name, from the entry point and the command line: every rank and
+        # node computes the same one; pinned now so that submitit's jobs, which run elsewhere, share it.
+        pin_run_name(objective.name, sys.argv[1:])
         folder = output_folder(sys.argv[1:])
         check_run_folder(folder)
         if folder is not None:  # a run holding it refuses this one now, before Hydra writes there
@@ -221,6 +255,7 @@ def run_command(entry: Callable[[], None], embedded: str) -> None:
         fail(str(error))
     if rank_from_env() != 0:  # no .hydra/ or Hydra log file; hydra_main quiets the rest (quiet_this_rank)
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+        sys.argv += keep_other_ranks_out(folder, sweeping)  # only rank 0's Hydra makes the run folder
     try:
         entry()
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # done: a launcher that passed on a signal reads it

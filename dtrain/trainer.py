@@ -26,6 +26,7 @@ from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_fl
 from dtrain.model import build_model, has_weights, tokenizer_source
 from dtrain.objectives import Context, Objective, build_objective
 from dtrain.optim import build_optimizer, build_scheduler, trainable_parameters
+from dtrain.parallel import lora
 from dtrain.parallel.experts import idle_parameters
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
 from dtrain.reliability import Preempted, StallWatch, StepGuard
@@ -120,7 +121,7 @@ def start_run(
     if dist.get_rank() == 0:
         sinks = open_sinks(config, resolved, run_dir, progress.step)
         log_summary(
-            model, parallel, config, num_params, trainable, shard_sizes, data.num_examples, tokenizer_folder
+            model, parallel, config, num_params, trainable, shard_sizes, data.examples(), tokenizer_folder
         )
     guard = StepGuard(config.train, faults, save_due=checkpointer.due_by_time)
     return Run(
@@ -231,7 +232,7 @@ def log_summary(
     num_params: int,
     trainable: int,
     shard_sizes: list[int],
-    n: int,
+    examples: str,
     tokenizer_folder: str,
 ) -> None:
     train = config.train
@@ -246,12 +247,25 @@ def log_summary(
     log.info(
         f"model {config.model.name_or_path or 'from model.config'} ({init}) | tokenizer {tokenizer_folder} | "
         f"{model.config.model_type}: {num_params / 1e6:.2f} M parameters, {trainable / 1e6:.3f} M trainable "
-        f"({100 * trainable / num_params:.2f} %), per-rank shards "
+        f"({100 * trainable / num_params:.2f} %){adapters_note(model, config)}, per-rank shards "
         f"{describe_sizes(shard_sizes)} | mesh {mesh} "
         f"on {parallel.device.type} | global batch {train.global_batch_size}, micro batch "
-        f"{train.micro_batch_size}, {accumulation} accumulation steps | {n} examples, "
+        f"{train.micro_batch_size}, {accumulation} accumulation steps | {examples}, "
         f"max_len {config.data.max_len} | loss {config.parallel.loss_impl}"
     )
+
+
+def adapters_note(model: torch.nn.Module, config: Config) -> str:
+    """What a LoRA run trains on (for the start line): the adapters' rank and scale and the frozen
+    base's dtype, NF4 for QLoRA (the weights NF4 leaves dense keep train.precision's)."""
+    settings = getattr(model, lora.SETTINGS_ATTR, None)
+    if settings is None:
+        return ""
+    scale = f"alpha {settings.alpha:g}{', rsLoRA' if settings.use_rslora else ''}"
+    names = {dtype: name for name, dtype in lora.DTYPES.items()}
+    dense = names[lora.base_dtype(config.lora, config.train.precision)]
+    base = f"an NF4 base (QLoRA; the rest {dense})" if config.lora.base_dtype == "nf4" else f"a {dense} base"
+    return f": LoRA r={settings.r}, {scale}, on {base}"
 
 
 def describe_sizes(sizes: list[int]) -> str:

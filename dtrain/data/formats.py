@@ -13,6 +13,7 @@ make a string-level prefix mis-mask). Adding a format is adding a class and its 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import datasets
@@ -28,7 +29,13 @@ EMPTY, OVERLONG, NO_TARGET = (
     "overlong (data.overlong=drop)",
     "no response token within max_len",
 )
-KEPT = (OK, TRUNCATED)
+# A pair: a completion with no token at all (an empty list of messages; dropped, where TRL scores a
+# log-probability of 0), and one whose chosen and rejected completions are the same tokens within
+# max_len: kept, as TRL keeps it, but it has no preference to learn (zero gradient of every
+# preference loss), so a dataset of nothing else is refused.
+EMPTY_COMPLETION, SAME = "empty completion", "chosen = rejected"
+KEPT = (OK, TRUNCATED, SAME)
+NOTHING_TO_LEARN = (SAME,)  # kept, but a source needs one example that is not
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _IDS = datasets.Sequence(datasets.Value("int32"))
 # The tokenized dataset's columns: an SFT format's, and the preference format's (a pair).
@@ -306,9 +313,13 @@ class Preference(Format):
         completions = [ids[shared:] for ids in full]
         longest = max(len(ids) for ids in full)
         status = OK if longest <= max_len else TRUNCATED if overlong == "truncate" else OVERLONG
+        if not all(completions):  # nothing after the prompt: an empty list of messages
+            status = EMPTY_COMPLETION
         completions = [ids[: max(0, max_len - shared)] for ids in completions]
         if status in KEPT and not all(completions):  # the prompt fills max_len (TRL drops these too)
             status = NO_TARGET
+        elif status in KEPT and completions[0] == completions[1]:
+            status = SAME
         return {
             "prompt_ids": prompt_ids,
             "chosen_ids": completions[0],
@@ -328,6 +339,8 @@ def implicit_prompt(chosen: Any, rejected: Any, where: str) -> tuple[Any, Any, A
             if end > 0 and chosen[end - 1] == " ":  # strings: the completion keeps its leading space
                 end -= 1
             break
+    if end == 0 and chosen == rejected:
+        raise ConfigError(f"{where}: chosen and rejected are the same, with no assistant turn to compare")
     if end == 0:
         raise ConfigError(
             f"{where}: chosen and rejected share no prompt (implicit prompt: they must start alike)"
@@ -378,7 +391,10 @@ def tokenize_example(
     source: Source,
     max_len: int,
     overlong: str,
+    places: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
-    """One row of the tokenized dataset, by the source's format (its `features`)."""
+    """One row of the tokenized dataset, by the source's format (its `features`). `places` names the
+    example `index` in errors (sources.Places: FILE:LINE); without it, the source and the index."""
     settings = Settings(source, tokenizer, max_len, overlong)
-    return FORMATS[source.format].example(record, f"{source.where} example {index}", settings)
+    where = places(index) if places else f"{source.where} example {index}"
+    return FORMATS[source.format].example(record, where, settings)

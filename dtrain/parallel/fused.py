@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtrain.config import ConfigError
+from dtrain.distributed import gather_whole
 
 FUSED_ATTR = "dtrain_fused_parts"
 
@@ -77,7 +78,7 @@ def fuse(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
     out = {name: tensor for name, tensor in state.items() if name not in parts}
     for fused, names in groups(model).items():
         first = state[names[0]]
-        full = torch.cat([_full(state[name]) for name in names])
+        full = torch.cat([gather_whole(state[name]) for name in names])
         if isinstance(first, DTensor):
             full = DTensor.from_local(
                 full[_local_slices(first, full.shape)].contiguous(),
@@ -97,7 +98,3 @@ def groups(model: nn.Module) -> dict[str, list[str]]:
     for name, (fused, _) in sorted(getattr(model, FUSED_ATTR, {}).items(), key=lambda item: item[1]):
         found.setdefault(fused, []).append(name)
     return found
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtrain.config import ConfigError, LoraConfig
+from dtrain.distributed import gather_whole
 from dtrain.parallel.fused import FUSED_ATTR
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -354,7 +355,7 @@ def peft_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     params = adapter_parameters(model)
     for name, (peft_name, first) in peft_names(model).items():
         param = params[name]
-        full = (param.full_tensor() if isinstance(param, DTensor) else param).detach().float().cpu()
+        full = gather_whole(param).detach().float().cpu()
         pieces.setdefault(PEFT_PREFIX + peft_name, []).append((first, full))
     return {
         key: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for key, parts in pieces.items()
