@@ -235,12 +235,18 @@ def other_run_in(run_dir: Path, directory: Path, resolved: dict[str, Any]) -> st
 
 
 def training_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data: Any, progress: Progress
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    data: Any,
+    progress: Progress,
+    objective: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint holds. Model and optimizer states are DTensors keyed by parameter name;
-    frozen parameters (a LoRA run's base) are left out: the model's files hold them."""
+    frozen parameters (a LoRA run's base) are left out: the model's files hold them. `objective`: the
+    objective's own state, if it has one (Objective.state_dict: DPO's TR-DPO reference)."""
     model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE)
-    return {
+    state = {
         "model": model_state,
         "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict(),
@@ -248,6 +254,25 @@ def training_state(
         "progress": {"step": progress.step, "tokens_seen": progress.tokens_seen},
         "rng": {"cpu": torch.get_rng_state()},
     }
+    return state | ({"objective": objective} if objective else {})
+
+
+def load_objective(path: Path, objective: Any) -> None:
+    """The objective's own state (Objective.state_dict, filled in place), if it has one: read after
+    `load`, once the objective is built on the restored run."""
+    state = objective.state_dict()
+    if not state:
+        return
+    error = None
+    try:
+        dcp.load({"objective": state}, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as caught:
+        cause = root_cause(caught)
+        error = f"{type(cause).__name__}: {str(cause).split('. ')[0]}"
+    error = agreed_error(error)
+    if error:
+        raise UnreadableCheckpoint(path, error)
+    objective.load_state_dict(state)
 
 
 def check_compatible(path: Path, model_state: dict[str, Any]) -> None:
@@ -347,6 +372,7 @@ class Checkpointer:
         scheduler: Any,
         data: Any,
         progress: Progress,
+        objective: dict[str, Any] | None = None,
     ) -> None:
         self.wait()
         self.last_save = self.clock()
@@ -358,7 +384,7 @@ class Checkpointer:
                 shutil.rmtree(save.partial)
             save.partial.mkdir(parents=True)
         dist.barrier()
-        state = training_state(model, optimizer, scheduler, data, progress)
+        state = training_state(model, optimizer, scheduler, data, progress, objective)
         save.size = state_bytes(state)
         with self._failures(save):
             if self.async_group is None:
