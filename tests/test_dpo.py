@@ -299,6 +299,38 @@ def test_a_truncated_reference_table_is_set_aside_and_computed_again(runs):
 
 
 @pytest.mark.slow
+def test_the_moved_tr_dpo_reference_resumes_from_its_checkpoint(runs):
+    """TR-DPO's reference, moved by two syncs, is in the step-2 checkpoint: resumed from it on another
+    mesh (tp 2 × dp 2 → dp_shard 4), step 3 and its eval continue the uninterrupted run (itself TRL's;
+    dtrain against dtrain on purpose). A reference rebuilt from the starting policy instead would
+    leave the curve at step 3."""
+    whole, resumed = runs["tp2_dp2_tr_dpo"]["history"], runs["tp2_dp2_tr_dpo"]["resumed"]
+    assert [(record["step"], "loss" in record) for record in resumed] == [
+        (record["step"], "loss" in record) for record in whole
+    ]
+    trained, again = training(whole), training(resumed)
+    expected = {key: [record[key] for record in trained] for key in FIGURES}
+    for step, record in enumerate(again):
+        assert_step_close(record, expected, step, "TR-DPO resumed")
+    evals = [record for record in whole if "eval_loss" in record]
+    got = [record for record in resumed if "eval_loss" in record]
+    expected = {key.removeprefix("eval_"): [record[key] for record in evals] for key in EVAL_METRICS}
+    keys = [key.removeprefix("eval_") for key in EVAL_METRICS if "accuracies" not in key]
+    for step, record in enumerate(got):
+        figures = {key.removeprefix("eval_"): record[key] for key in EVAL_METRICS}
+        assert_step_close(figures, expected, step, "TR-DPO resumed eval", keys)
+
+
+@pytest.mark.slow
+def test_dtrain_raises_no_warning_of_its_own(runs):
+    """No scenario's run makes dtrain's own code warn (torch's FutureWarning that
+    all_gather_into_tensor is deprecated came from the reference table's gather on every precompute
+    run)."""
+    for name, saved in runs.items():
+        assert saved["warnings"] == [], (name, saved["warnings"])
+
+
+@pytest.mark.slow
 def test_the_start_line_says_which_reference(runs):
     """The run's summary line names the reference it took: with LoRA from an adapter (precompute and
     live: the starting adapter), with fresh LoRA (adapters_off: the base), another folder's model, and

@@ -11,6 +11,8 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,7 +118,11 @@ GROUPS: dict[str, tuple[str, dict[str, Any]]] = {  # name: (data, overrides)
 # the fused one's on packed rows at tp 2 × dp 2; the other folder's reference precomputed, then live
 GROUP_MESHES = {
     "1x1": {"per_side": {"parallel.loss_impl": "dense"}},
-    "tp2_dp2": {"per_side": {"data.packing": True}, "ref_model": {"dpo.reference": "live"}},
+    "tp2_dp2": {
+        "per_side": {"data.packing": True},
+        "ref_model": {"dpo.reference": "live"},
+        "tr_dpo": {"checkpoint.every": 2},  # resumed from step 2 on dp_shard 4 (resumed_tr_dpo)
+    },
 }
 
 
@@ -200,12 +206,14 @@ def captured() -> Iterator[list[str]]:
 
 
 def run(config: PreferenceConfig, out: Path, device: torch.device, resume: Path | None = None) -> dict:
-    """The run's history and its dtrain log lines (rank 0's)."""
+    """The run's history, its dtrain log lines (rank 0's) and the warnings dtrain's own code raised."""
     model_config = load_model_config(config.model)
     shape = check_config(config, dist.get_world_size(), model_config)
-    with captured() as lines:
+    with captured() as lines, warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
         history = train(config, shape, model_config, device, out, resolved={}, resume_from=resume).history
-    return {"history": history, "lines": lines}
+    own = [f"{w.filename}:{w.lineno}: {w.message}" for w in raised if f"{os.sep}dtrain{os.sep}" in w.filename]
+    return {"history": history, "lines": lines, "warnings": own}
 
 
 def scenario(name: str, spec: tuple, models: dict, data: dict, out: Path, device: torch.device) -> dict:
@@ -221,9 +229,14 @@ def scenario(name: str, spec: tuple, models: dict, data: dict, out: Path, device
         saved["adapters"] = peft_tensors(sharded_model(config, device))
     first = run(config, out / name, device)
     start = next((line for line in first["lines"] if line.startswith("model ")), "")  # rank 0's summary line
-    saved |= {"history": first["history"], "start": start}
+    saved |= {"history": first["history"], "start": start, "warnings": first["warnings"]}
     if name == "resumed":
         saved |= resumed(models[model], data[pairs], overrides, out, saved["history"], device)
+    if name == "tp2_dp2_tr_dpo":  # the moved reference is in the checkpoint: resumed on dp_shard 4
+        config = dpo_config(models[model], data[pairs], {**overrides, "parallel.tp": 1, **MESHES["dp4"]})
+        checkpoint = out / name / "checkpoints" / "step-00000002"
+        again = run(config, out / name, device, checkpoint)["history"]
+        saved["resumed"] = [record for record in first["history"] if record["step"] <= 2] + again
     return saved
 
 
