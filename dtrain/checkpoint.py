@@ -20,7 +20,7 @@ import pickle
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,9 +63,6 @@ class UnreadableCheckpoint(RuntimeError):
 class Progress:
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0  # supervised tokens trained on
-    # the objective's own state (Objective.state_dict: e.g. completions sampled for later steps),
-    # mesh-independent Python values
-    objective: dict[str, Any] = field(default_factory=dict)
 
 
 def checkpoint_dir(settings: CheckpointConfig, run_dir: Path) -> Path:
@@ -243,22 +240,61 @@ def other_run_in(run_dir: Path, directory: Path, resolved: dict[str, Any]) -> st
 
 
 def training_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data: Any, progress: Progress
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    data: Any,
+    progress: Progress,
+    objective: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint holds. Model and optimizer states are DTensors keyed by parameter name;
-    frozen parameters (a LoRA run's base) are left out: the model's files hold them. The objective's
-    state is the same on every rank (rank 0's is written)."""
+    frozen parameters (a LoRA run's base) are left out: the model's files hold them. `objective`: the
+    objective's own state, if it has one (Objective.state_dict: DPO's TR-DPO reference, GRPO's
+    generation), as `saved_objective` writes it."""
     model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE)
-    return {
+    state = {
         "model": model_state,
         "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict(),
         "data": data.state_dict(),
         "progress": {"step": progress.step, "tokens_seen": progress.tokens_seen},
-        # one value (DCP would flatten a dict's entries into keys that a load must know in advance)
-        "objective": pickle.dumps(progress.objective),
         "rng": {"cpu": torch.get_rng_state()},
     }
+    return state | ({"objective": saved_objective(objective)} if objective else {})
+
+
+def holds_tensors(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(holds_tensors(v) for v in value.values())
+    return isinstance(value, torch.Tensor)
+
+
+def saved_objective(state: dict[str, Any]) -> dict[str, Any]:
+    """An objective's state as DCP writes it: tensors (DTensors resharded on load, as the model's)
+    as they are, any other value pickled whole (DCP would flatten a Python dict's entries into keys
+    that a load must know in advance; such values are the same on every rank, rank 0's written)."""
+    return {key: value if holds_tensors(value) else pickle.dumps(value) for key, value in state.items()}
+
+
+def load_objective(path: Path, objective: Any) -> None:
+    """The objective's own state (Objective.state_dict, tensors filled in place), if it has one:
+    read after `load`, once the objective is built on the restored run."""
+    fresh = objective.state_dict()
+    if not fresh:
+        return
+    state = saved_objective(fresh)
+    error = None
+    try:
+        dcp.load({"objective": state}, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as caught:
+        cause = root_cause(caught)
+        error = f"{type(cause).__name__}: {str(cause).split('. ')[0]}"
+    error = agreed_error(error)
+    if error:
+        raise UnreadableCheckpoint(path, error)
+    objective.load_state_dict(
+        {key: value if holds_tensors(fresh[key]) else pickle.loads(value) for key, value in state.items()}
+    )
 
 
 def check_compatible(path: Path, model_state: dict[str, Any]) -> None:
@@ -301,7 +337,7 @@ def load(
     scheduler.load_state_dict(state["scheduler"])
     data.load_state_dict(state["data"])
     torch.set_rng_state(state["rng"]["cpu"])
-    progress = Progress(**state["progress"], objective=pickle.loads(state["objective"]))
+    progress = Progress(**state["progress"])
     log.info(f"resumed from {path} at step {progress.step}")
     return progress
 
@@ -358,6 +394,7 @@ class Checkpointer:
         scheduler: Any,
         data: Any,
         progress: Progress,
+        objective: dict[str, Any] | None = None,
     ) -> None:
         self.wait()
         self.last_save = self.clock()
@@ -369,7 +406,7 @@ class Checkpointer:
                 shutil.rmtree(save.partial)
             save.partial.mkdir(parents=True)
         dist.barrier()
-        state = training_state(model, optimizer, scheduler, data, progress)
+        state = training_state(model, optimizer, scheduler, data, progress, objective)
         save.size = state_bytes(state)
         with self._failures(save):
             if self.async_group is None:

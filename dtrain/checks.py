@@ -182,12 +182,17 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
             f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 1 "
             f"with parallel.loss_impl={parallel.loss_impl}"
         )
-    # vocab_size need not divide: the embedding and lm_head are padded (dtrain.parallel.vocab).
+    check_tp_divides(model_config, shape.tp)
+    return shape
+
+
+def check_tp_divides(model_config: Any, tp: int, model: str = "model") -> None:
+    """The heads and the MLP width split over tp (vocab_size need not: the embedding and lm_head are
+    padded, dtrain.parallel.vocab). `model`: how the message names the model."""
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(model_config, key, None)
-        if value is not None and value % shape.tp:
-            raise ConfigError(f"model {key}={value} is not divisible by parallel.tp={shape.tp}")
-    return shape
+        if value is not None and value % tp:
+            raise ConfigError(f"{model} {key}={value} is not divisible by parallel.tp={tp}")
 
 
 def check_sequence_split(max_len: int, shape: MeshShape, sequence_parallel: bool) -> None:
@@ -210,11 +215,12 @@ def check_format(key: str, name: str) -> None:
     _one_of(key, name, tuple(FORMATS))
 
 
-def check_tp_support(model_type: str, tp: int) -> None:
-    """A family without a TP plan trains FSDP-only (tp=1); at tp > 1 it is refused before launch."""
+def check_tp_support(model_type: str, tp: int, model: str = "model") -> None:
+    """A family without a TP plan trains FSDP-only (tp=1); at tp > 1 it is refused before launch.
+    `model`: how the message names the model."""
     if tp > 1 and model_type not in TP_PLANS:
         raise ConfigError(
-            f"model type {model_type!r} has no TP plan, so it trains with parallel.tp=1 only (FSDP); "
+            f"{model} type {model_type!r} has no TP plan, so it runs with parallel.tp=1 only (FSDP); "
             f"parallel.tp={tp} needs one of: {', '.join(TP_PLANS)}"
         )
 

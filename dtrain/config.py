@@ -334,28 +334,54 @@ class MoeConfig:
 
 @dataclass
 class DPOConfig:
-    """dtrain.dpo's loss, named after TRL's DPOConfig (docs/dpo.md)."""
+    """dtrain.dpo's loss and reference, named and defaulted after TRL 1.16's DPOConfig (docs/dpo.md
+    maps every DPOConfig key)."""
 
     beta: float = 0.1
     """β: the reward of a completion is β · (its log-probability under the policy − under the
-    reference)."""
+    reference); for `ipo` the regularization τ."""
     loss_type: Any = "sigmoid"
-    """`sigmoid` (DPO), `ipo` (length-normalised log-ratios, squared), `hinge`, `robust` (label
-    smoothing as noise), or a list of them, weighted by loss_weights."""
+    """One of TRL's loss types, or a list of them added with loss_weights: `sigmoid` (DPO), `hinge`,
+    `ipo`, `exo_pair`, `nca_pair`, `robust`, `bco_pair`, `sppo_hard`, `aot`, `aot_unpaired`,
+    `apo_zero`, `apo_down`, `discopop`, `sft` (the NLL of the chosen completions: `[sigmoid, sft]` is
+    RPO), `sigmoid_norm` (docs/dpo.md has each formula)."""
     loss_weights: list[float] | None = None
     """One weight per loss_type entry (unset: 1 each)."""
     label_smoothing: float = 0.0
-    """`robust`: the assumed probability that a pair's labels are flipped, in [0, 0.5) (`sigmoid`
-    ignores it, as TRL 1.16 does)."""
+    """ε of `robust` (the probability that a pair's labels are flipped, in [0, 0.5)), `exo_pair` (> 0;
+    the paper suggests 1e-3), `aot` and `aot_unpaired`; the other losses do not use it (TRL 1.16's
+    `sigmoid` ignores it), so it is refused without one of these."""
+    ld_alpha: float | None = None
+    """LD-DPO: a completion's tokens past the length of the pair's shorter completion count this much
+    in its log-probability (policy and reference alike), in [0, 1]; unset: all count 1."""
+    f_divergence_type: str = "reverse_kl"
+    """f-DPO's divergence: `reverse_kl` (DPO's), `forward_kl`, `js_divergence`, `alpha_divergence`;
+    another than reverse_kl only with `sigmoid`, `sigmoid_norm`, `hinge`, `ipo`, `exo_pair`,
+    `robust`, `discopop` and `sft`."""
+    f_alpha_divergence_coef: float = 0.5
+    """α of `alpha_divergence` (refused with another f_divergence_type)."""
+    use_weighting: bool = False
+    """WPO: each pair's loss weighted by exp of its chosen and its rejected completion's mean over
+    tokens of log p(token) − log Σ_v p(v)² under the policy (no gradient through the weight)."""
+    discopop_tau: float = 0.05
+    """τ of `discopop` (refused with another loss type)."""
     reference: str = "auto"
-    """The reference policy's log-probabilities: `precompute` (the policy's before the first step,
-    over every pair once, kept in the run folder: no reference model in memory); `live` (a frozen copy
-    of the starting policy, sharded like it, run beside it each step); `adapters_off` (LoRA: the same
-    model with its adapters bypassed); `auto`: adapters_off for LoRA from fresh adapters, else
-    precompute."""
-    sft_weight: float = 0.0
-    """RPO: this weight times the NLL of the chosen completions (token mean over the step's chosen
-    tokens) added to the loss (TRL's `sft` loss type); 0: none."""
+    """Where the reference log-probabilities come from: `precompute` (computed before the first step
+    over every pair once and kept in the run folder: no reference model in memory while training);
+    `live` (a frozen reference model, sharded like the policy, run beside it each step); `adapters_off`
+    (LoRA: the policy with its adapters bypassed); `auto`: live with sync_ref_model, adapters_off for
+    LoRA from fresh adapters without ref_model, else precompute."""
+    ref_model: str | None = None
+    """TRL's `ref_model`: the reference is this Hugging Face model folder (or hub id), e.g. an SFT
+    checkpoint while the policy starts elsewhere, built frozen and sharded like the policy (the same
+    vocabulary); unset: the starting policy."""
+    sync_ref_model: bool = False
+    """TR-DPO: every ref_model_sync_steps steps the reference becomes ref_model_mixup_alpha × policy +
+    (1 − ref_model_mixup_alpha) × reference (dpo.reference=live; not with LoRA); saved in checkpoints."""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO's α, in [0, 1] (with sync_ref_model only)."""
+    ref_model_sync_steps: int = 512
+    """TR-DPO's τ: optimizer steps between syncs (with sync_ref_model only)."""
 
 
 @dataclass

@@ -3,6 +3,7 @@ straight into the sharded parameters, or a seeded init that is the same on every
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 from pathlib import Path
@@ -25,6 +26,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
 
 from dtrain import attention
+from dtrain.checks import check_tp_divides, check_tp_support
 from dtrain.config import Config, ConfigError, LoraConfig, ModelConfig
 from dtrain.distributed import Parallel
 from dtrain.parallel import experts, fused, lora, phi3, qlora, vocab
@@ -144,6 +146,47 @@ def build_model(
     if device is not None:
         materialize(model, device, config.model, config.train.seed, lora_settings)
     return model
+
+
+def build_frozen_model(
+    config: Config,
+    parallel: Parallel,
+    device: torch.device | None,
+    folder: str | None = None,
+    policy: PretrainedConfig | None = None,
+    vocab_rows: int | None = None,
+    attention_backend: str = "auto",
+    offline: bool = False,
+) -> nn.Module:
+    """A frozen model (forwards only, the compute dtype) built and sharded on the policy's mesh as the
+    policy is (build_model): with `folder` None, the starting policy (model.*'s weights, LoRA's starting
+    adapters included; `policy` its architecture, `vocab_rows` its vocabulary rows); else the Hugging
+    Face model folder (or hub id) `folder`, its own architecture and weights, no adapters (dtrain.dpo's
+    dpo.ref_model, a distillation teacher). `offline`: a hub id's shipped architecture (the planner)."""
+    if folder is None:
+        assert policy is not None
+        return build_model(policy, config, parallel, device, vocab_rows, attention_backend, frozen=True)
+    settings = ModelConfig(name_or_path=folder, init="pretrained")
+    own = dataclasses.replace(config, model=settings, lora=LoraConfig())
+    architecture = load_model_config(settings, offline=offline)
+    check_other_model(folder, architecture, policy, parallel.tp_size)
+    return build_model(architecture, own, parallel, device, None, attention_backend, frozen=True)
+
+
+def check_other_model(
+    folder: str, architecture: PretrainedConfig, policy: PretrainedConfig | None, tp: int
+) -> None:
+    """A model of another folder beside the policy: it scores the policy's token ids (the same
+    vocabulary size) and runs on the policy's mesh (the policy's own checks, dtrain.checks). Every
+    rank raises alike, before any collective of its build."""
+    named = f"the model in {folder}"
+    if policy is not None and architecture.vocab_size != policy.vocab_size:
+        raise ConfigError(
+            f"{named}: vocab_size {architecture.vocab_size}, the policy's {policy.vocab_size}: it must score "
+            "the same token ids (the same tokenizer)"
+        )
+    check_tp_support(architecture.model_type, tp, named)
+    check_tp_divides(architecture, tp, named)
 
 
 def build_meta_model(

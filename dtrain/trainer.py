@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedTokenizerBase
 
-from dtrain.checkpoint import Checkpointer, Progress, checkpoint_dir, load
+from dtrain.checkpoint import Checkpointer, Progress, checkpoint_dir, load, load_objective
 from dtrain.config import Config, MeshShape, TrainConfig
 from dtrain.data.formats import load_tokenizer
 from dtrain.data.pipeline import SFTData, build_data
@@ -23,7 +23,7 @@ from dtrain.distributed import Parallel, build_parallel
 from dtrain.export import export_hf, export_merged
 from dtrain.faults import Faults
 from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_flops
-from dtrain.model import build_model, has_weights, tokenizer_source
+from dtrain.model import build_frozen_model, build_model, has_weights, tokenizer_source
 from dtrain.objectives import Context, Objective, build_objective
 from dtrain.optim import build_optimizer, build_scheduler, trainable_parameters
 from dtrain.parallel import lora
@@ -69,8 +69,9 @@ class Run:
             sink.write(record)
 
     def save(self, step: int, tokens_seen: torch.Tensor) -> None:
-        progress = Progress(step, int(tokens_seen.item()), self.objective.state_dict())
-        self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.data.train, progress)
+        progress = Progress(step, int(tokens_seen.item()))
+        state = self.objective.state_dict()
+        self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.data.train, progress, state)
 
     def close(self) -> None:
         self.guard.close()
@@ -102,10 +103,13 @@ def start_run(
     scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
     progress = load(resume_from, model, optimizer, scheduler, data.train) if resume_from else Progress()
     # the config's objective: SFT's token loss, DPO's pair loss with its reference (precomputed now) ...
-    frozen = functools.partial(build_model, model_config, config, parallel, device, vocab_rows, frozen=True)
+    frozen = functools.partial(
+        build_frozen_model, config, parallel, device, policy=model_config, vocab_rows=vocab_rows
+    )
     context = Context(config, model, parallel, frozen, data, run_dir, progress.step, resume_from)
     objective = build_objective(context)
-    objective.load_state_dict(progress.objective)
+    if resume_from:  # its own state (DPO's TR-DPO reference), once it is built
+        load_objective(resume_from, objective)
     faults = Faults.from_env()
     checkpointer = Checkpointer(
         config.checkpoint, checkpoint_dir(config.checkpoint, run_dir), resolved, faults
@@ -121,8 +125,9 @@ def start_run(
     if dist.get_rank() == 0:
         sinks = open_sinks(config, resolved, run_dir, progress.step)
         log_summary(
-            model, parallel, config, num_params, trainable, shard_sizes, data.examples(), tokenizer_folder
-        )
+            model, parallel, config, num_params, trainable, shard_sizes, data.examples(), tokenizer_folder,
+            objective.describe(),
+        )  # fmt: skip
     guard = StepGuard(config.train, faults, save_due=checkpointer.due_by_time)
     return Run(
         parallel=parallel,
@@ -184,6 +189,7 @@ def train(
                 tokens_seen += objective.tokens
 
             done = step + 1
+            objective.end_step(done)
             if run.checkpointer.due(done, settings.max_steps) or guard.save_now:
                 run.save(done, tokens_seen)
                 saved = done
@@ -234,6 +240,7 @@ def log_summary(
     shard_sizes: list[int],
     examples: str,
     tokenizer_folder: str,
+    objective: str = "",
 ) -> None:
     train = config.train
     accumulation = train.global_batch_size // (train.micro_batch_size * parallel.dp_size)
@@ -252,6 +259,7 @@ def log_summary(
         f"on {parallel.device.type} | global batch {train.global_batch_size}, micro batch "
         f"{train.micro_batch_size}, {accumulation} accumulation steps | {examples}, "
         f"max_len {config.data.max_len} | loss {config.parallel.loss_impl}"
+        + (f" | {objective}" if objective else "")
     )
 
 

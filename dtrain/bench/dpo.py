@@ -62,10 +62,8 @@ def dtrain_dpo(setup: Setup, folder: Path, device: torch.device, packed: bool) -
     pairs = build_data(config.data, config.train, load_tokenizer(str(folder)), 0, 1).train.rows
     mb = local_micro_batch(pairs.collate([pairs[i] for i in range(len(pairs))]), parallel)
     loss = LossSettings.of(config.parallel)
-    table = Reference("live", parallel, loss, model).forward(mb)  # the reference: the starting model's
-    objective = build_objective(
-        Context(config, model, parallel, lambda: model, reference_table=lambda: table)
-    )
+    table = Reference("live", parallel, loss, config.dpo, model).forward(mb)  # the starting model's
+    objective = build_objective(Context(config, model, parallel, reference_table=lambda: table))
 
     def step() -> None:
         objective.begin_step([mb])

@@ -22,7 +22,7 @@ from dtrain.config import ConfigError, DataConfig, Source, TrainConfig
 from dtrain.data.formats import FORMATS, KEPT, NOTHING_TO_LEARN, TRUNCATED, pad_id, tokenize_example
 from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
 from dtrain.data.packing import efficiency, one_per_row, pack
-from dtrain.data.pairs import Pairs
+from dtrain.data.pairs import Pairs, eval_pair_batches
 from dtrain.data.sources import Places, load_split, places
 
 log = logging.getLogger("dtrain")
@@ -89,7 +89,8 @@ def build_data(
     evals = None
     if eval_examples is not None:
         eval_rows = to_rows(eval_examples, data, tokenizer)
-        evals = eval_micro_batches(eval_rows, train.micro_batch_size, dp_rank, dp_size)
+        batches = eval_pair_batches if isinstance(eval_rows, Pairs) else eval_micro_batches
+        evals = batches(eval_rows, train.micro_batch_size, dp_rank, dp_size)
         log.info(f"data: {len(eval_examples)} eval examples in {len(eval_rows)} rows")
     return SFTData(loader, evals, len(train_examples), fill, flagged)
 

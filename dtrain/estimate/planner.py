@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import gc
 import logging
 import time
@@ -31,7 +30,7 @@ from dtrain.config import Config, ConfigError, MeshShape
 from dtrain.distributed import build_parallel
 from dtrain.estimate.deepspeed import ParamCensus, census
 from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked_micro_batches
-from dtrain.model import allocate, build_meta_model, build_model, load_model_config
+from dtrain.model import allocate, build_frozen_model, build_meta_model, build_model, load_model_config
 from dtrain.objectives import Context, build_objective
 from dtrain.optim import build_optimizer
 from dtrain.parallel.context import shard_sequence
@@ -201,9 +200,15 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
             moe=dataclasses.replace(config.moe, aux_scope="micro_step"),
         )
         model = build_model(model_config, eager, parallel, None, attention_backend=attention_backend)
-        # dpo.reference=live: a frozen copy, built as the trainer builds it (allocated below)
-        frozen = functools.partial(build_model, model_config, eager, parallel, None, None, attention_backend)
-        reference = frozen(frozen=True) if config.data.preference and config.dpo.reference == "live" else None
+        # dpo.reference=live: the frozen reference, built as the trainer builds it (allocated below): the
+        # starting policy, or dpo.ref_model's (its architecture read offline, as the policy's)
+        live = config.data.preference and config.dpo.reference == "live"
+        folder = config.dpo.ref_model
+        reference = None
+        if live:
+            reference = build_frozen_model(
+                eager, parallel, None, folder, model_config, None, attention_backend, offline=True
+            )
         # The meta parameters become fake ones on to_empty: allow_non_fake_inputs lets that happen.
         with FakeTensorMode(allow_non_fake_inputs=True), dtensor_meta_in_own_fake_mode():
             allocated(model).train()
@@ -221,7 +226,7 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
                     eager,
                     model,
                     parallel,
-                    frozen_copy=functools.partial(allocated, reference),
+                    frozen=lambda folder: allocated(reference),
                     reference_table=lambda: torch.zeros(train.micro_batch_size, 2),  # precompute: no model
                 )
             )

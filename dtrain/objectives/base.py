@@ -20,6 +20,7 @@ The loop calls an `Objective` in four places each step:
 - `figures()` (a collective): the step's logged figures, reduced over the ranks: `loss`, `tokens`,
   the non-pad slots, and the objective's own (the router's `aux_loss` and `expert_load`; DPO's
   rewards).
+- `end_step(step)`: after the optimizer step, before the step's checkpoint and eval.
 
 The router's aux term lives here, behind every objective: its share of each micro-batch is added to
 what is differentiated (each micro-step function takes the router) and its figures, with
@@ -104,14 +105,6 @@ class Objective:
             figures.extra |= routing
         return figures
 
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the objective besides the model (e.g. completions sampled for
-        later steps): Python values, the same on every rank, that do not depend on the mesh."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's `state_dict()` (empty at a run's start)."""
-
     def count(self, micro_batches: list[dict[str, Any]]) -> None:
         """The step's global counts: `tokens`, `filled` and `slots` (dtrain.step.global_counts), and
         what else the objective's loss is a mean over."""
@@ -130,6 +123,24 @@ class Objective:
     def evaluate(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         raise NotImplementedError
 
+    def end_step(self, step: int) -> None:
+        """After step `step`'s optimizer step (from 1), before its checkpoint and eval (DPO's TR-DPO
+        moves its reference there)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep of the objective besides the model, the optimizer and the data;
+        empty: nothing. The same keys at every call. A value holding tensors (DPO's TR-DPO reference:
+        DTensors) is loaded in place and resharded to the run's mesh; any other value (GRPO's sampled
+        generation) must be the same on every rank and not depend on the mesh: it is pickled whole."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's `state_dict()` (called on resume only)."""
+
+    def describe(self) -> str:
+        """What the start line says of the objective (e.g. which reference DPO took); empty: nothing."""
+        return ""
+
 
 @dataclass
 class Context:
@@ -139,8 +150,9 @@ class Context:
     config: Config
     model: torch.nn.Module
     parallel: Parallel
-    # a frozen copy of the starting policy, sharded like it (DPO's live reference)
-    frozen_copy: Callable[[], torch.nn.Module] | None = None
+    # A frozen model built and sharded like the policy (dtrain.model.build_frozen_model): frozen(None),
+    # the starting policy; frozen(FOLDER), the Hugging Face model in FOLDER (DPO's reference, a teacher)
+    frozen: Callable[[str | None], torch.nn.Module] | None = None
     data: Any = None  # the run's data (dtrain.data.pipeline.SFTData); None in a plan
     run_dir: Path | None = None
     step: int = 0  # where the run starts: 0, or the resumed checkpoint's step

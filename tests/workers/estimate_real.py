@@ -38,7 +38,7 @@ from dtrain.data.pipeline import build_data
 from dtrain.distributed import build_parallel, init_distributed
 from dtrain.estimate.app import compose
 from dtrain.estimate.measure import track_step
-from dtrain.model import build_model, load_model_config, tokenizer_source
+from dtrain.model import build_frozen_model, build_model, load_model_config, tokenizer_source
 from dtrain.objectives import Context, build_objective
 from dtrain.optim import build_optimizer
 from dtrain.step import local_micro_batch, optimizer_step
@@ -152,7 +152,7 @@ def run(overrides: list[str], device: torch.device) -> dict:
     tokenizer = load_tokenizer(tokenizer_source(config.model))
     train = config.train
     batches = build_data(config.data, train, tokenizer, parallel.dp_rank, parallel.dp_size).train
-    frozen = functools.partial(build_model, model_config, config, parallel, device, frozen=True)
+    frozen = functools.partial(build_frozen_model, config, parallel, device, policy=model_config)
     # the planner's loss; dtrain.dpo's precompute: a table of the dataset's pairs (values do not matter)
     table = lambda: torch.zeros(len(batches), 2)  # noqa: E731
     objective = build_objective(Context(config, model, parallel, frozen, reference_table=table))
