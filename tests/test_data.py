@@ -497,7 +497,9 @@ def test_empty_and_truncated_responses_are_dropped_counted_and_packed_training_e
     overrides += ["train.global_batch_size=4", "train.micro_batch_size=2", "data.max_len=32"]
     returncode, output = cli(tmp_path, records, overrides)
     assert returncode == 0, output[-3000:]
-    assert f"dropped 1 {EMPTY}, 1 {NO_TARGET}" in output, output[-3000:]
+    data = str(tmp_path / "d.jsonl")  # the last two records: lines 49 and 50 of cli's file
+    assert f"dropped 1 {EMPTY} ({data}:49), 1 {NO_TARGET} ({data}:50)" in output, output[-3000:]
+    assert f"(dropped: 1 {EMPTY}, 1 {NO_TARGET})" in output, output[-3000:]  # the start line's count
     assert "(packed), efficiency" in output
     lines = read_metrics(tmp_path / "run")
     steps = [line for line in lines if "loss" in line]

@@ -141,13 +141,12 @@ def group_scenarios(mesh: str, mesh_overrides: dict[str, Any]) -> dict[str, tupl
 
 
 # name: (model, data, overrides); model "llama" or "moe", data "pairs", "full" (every sequence
-# fills max_len), "equal" (chosen = rejected), "split" (train and held-out test pairs)
+# fills max_len), "split" (train and held-out test pairs)
 SCENARIOS: dict[int, dict[str, tuple[str, str, dict[str, Any]]]] = {
     1: {
         "1x1_sigmoid": ("llama", "pairs", SIGMOID),
         "1x1_packed": ("llama", "pairs", {"data.packing": True}),
         "1x1_live": ("llama", "pairs", {"dpo.reference": "live"}),
-        "1x1_equal": ("llama", "equal", {"data.packing": True}),
         # from a non-zero PEFT adapter: dpo.reference=auto takes precompute, the starting adapter (TRL's);
         # live takes a frozen copy of the starting adapter, the same reference
         "1x1_lora_adapter": ("llama", "pairs", {"lora.adapter": ADAPTER}),
@@ -268,7 +267,7 @@ def resumed(model: Path, pairs: Path, overrides: dict, out: Path, whole: list, d
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    for name in ("llama", "moe", "ref", "pairs", "full", "equal", "split", "adapter"):
+    for name in ("llama", "moe", "ref", "pairs", "full", "split", "adapter"):
         parser.add_argument(f"--{name}", type=Path, required=True)
     parser.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
     args = parser.parse_args()
@@ -276,7 +275,7 @@ def main() -> None:
     logging.getLogger("dtrain").setLevel(logging.WARNING)
     wanted = set(filter(None, args.only.split(",")))
     models = {"llama": args.llama, "moe": args.moe, "ref": args.ref, "adapter": args.adapter}
-    data = {"pairs": args.pairs, "full": args.full, "equal": args.equal, "split": args.split}
+    data = {"pairs": args.pairs, "full": args.full, "split": args.split}
     results = {
         name: scenario(name, spec, models, data, args.out, device)
         for name, spec in SCENARIOS[dist.get_world_size()].items()
