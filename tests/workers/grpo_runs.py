@@ -33,58 +33,61 @@ BASE = {"data.format": "prompt", "data.shuffle": False, "data.max_len": MAX_LEN}
 BASE |= {"parallel.loss_impl": "auto", "optim.lr": LR, "optim.weight_decay": 0.0, "optim.warmup_steps": 0}
 BASE |= {"train.max_steps": STEPS, "train.global_batch_size": GLOBAL_BATCH, "train.micro_batch_size": 4}
 BASE |= {"grpo.num_generations": G, "grpo.max_completion_length": MAX_COMPLETION, "rollout.engine": "file"}
+PACKED = {"data.packing": True}
 BASE |= {"grpo.reward_funcs": FUNCS, "grpo.reward_weights": WEIGHTS, "moe.aux_scope": "global_batch"}
 LORA = {"lora.r": 4, "lora.alpha": 8.0}
 KL = {"grpo.beta": 0.04}
+MU2 = {"grpo.num_iterations": 2}
+GSPO = {"grpo.importance_sampling_level": "sequence", "grpo.loss_type": "grpo"}
+SPG2 = {"grpo.steps_per_generation": 2}
 MESHES = {  # 4 ranks
     "dp4": {"parallel.dp_shard": 4, "train.micro_batch_size": 1},
     "tp2_dp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 2},  # sequence parallel
     "cp2_tp2": {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp_shard": 1, "data.packing": True},
     "hsdp": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 1},
 }
-# name: (model, overrides); model "llama" or "moe"
+# name: (model, overrides); model "llama" or "moe". Each scenario tries several settings at once.
 SCENARIOS: dict[int, dict[str, tuple[str, dict[str, Any]]]] = {
     1: {
-        "1x1_dapo": ("llama", {}),
         "1x1_dapo_kl": ("llama", KL),
-        "1x1_bnpo": ("llama", {"grpo.loss_type": "bnpo", "train.micro_batch_size": 8}),
-        "1x1_grpo_mu2": ("llama", {"grpo.loss_type": "grpo", "grpo.num_iterations": 2, **KL}),
-        "1x1_dr_grpo_masked": (
-            "llama",
-            {"grpo.loss_type": "dr_grpo", "grpo.mask_truncated_completions": True},
-        ),
-        "1x1_gspo": (
+        "1x1_bnpo_none_packed": ("llama", {"grpo.loss_type": "bnpo", "grpo.scale_rewards": "none"} | PACKED),
+        "1x1_grpo_mu2_kl": ("llama", {"grpo.loss_type": "grpo", **MU2, **KL}),
+        "1x1_dr_grpo_masked_batch": (
             "llama",
             {
-                "grpo.importance_sampling_level": "sequence",
-                "grpo.loss_type": "grpo",
-                "grpo.num_iterations": 2,
+                "grpo.loss_type": "dr_grpo",
+                "grpo.mask_truncated_completions": True,
+                "grpo.scale_rewards": "batch",
             },
         ),
-        "1x1_clip_higher": (
+        "1x1_gspo_clip_higher": (
             "llama",
-            {"grpo.epsilon_high": 0.28, "grpo.delta": 1.5, "grpo.num_iterations": 2, "optim.lr": 1e-2},
+            {**GSPO, **MU2, "grpo.epsilon_high": 0.28, "grpo.delta": 1.5, "optim.lr": 3e-3},
         ),
-        "1x1_scale_none": ("llama", {"grpo.scale_rewards": "none", "data.packing": True}),
-        "1x1_scale_batch": ("llama", {"grpo.scale_rewards": "batch", **KL}),
-        "1x1_lora": ("llama", {**LORA, **KL}),
+        "1x1_spg2": ("llama", SPG2),
+        "1x1_lora_kl": ("llama", {**LORA, **KL}),
         "1x1_moe": ("moe", {"train.micro_batch_size": 8}),
     },
     4: {
-        **{f"{mesh}_dapo_kl": ("llama", {**overrides, **KL}) for mesh, overrides in MESHES.items()},
-        "cp2_tp2_gspo": (
-            "llama",
-            {
-                **MESHES["cp2_tp2"],
-                "grpo.importance_sampling_level": "sequence",
-                "grpo.num_iterations": 2,
-                "grpo.loss_type": "grpo",
-            },
-        ),
+        # the done-when case: accumulation 2, dapo, beta 0.04
+        "tp2_dp2_dapo_kl": ("llama", {**MESHES["tp2_dp2"], **KL}),
+        "cp2_tp2_gspo_kl": ("llama", {**MESHES["cp2_tp2"], **GSPO, **MU2, **KL}),
+        "hsdp_spg2": ("llama", {**MESHES["hsdp"], **SPG2}),
         "lora_tp2_dp2": ("llama", {**MESHES["tp2_dp2"], **LORA, **KL}),
         "moe_ep2_tp2": ("moe", {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.ep": 2}),
-        # checkpointed at step 2 (in the middle of a generation of 2 steps), then rerun on another mesh
-        "resumed": ("llama", {**MESHES["dp4"], "grpo.num_iterations": 2, **KL, "checkpoint.every": 1}),
+        # checkpointed after step 1, in the middle of a generation (mu 2: steps 1-2), then rerun on another
+        # mesh from there
+        "resumed": (
+            "llama",
+            {
+                **MESHES["dp4"],
+                "grpo.loss_type": "grpo",
+                **MU2,
+                **KL,
+                "checkpoint.every": 1,
+                "checkpoint.keep": 3,
+            },
+        ),
     },
 }
 RESUMED_ON = MESHES["tp2_dp2"]
@@ -113,10 +116,10 @@ def scenario(name: str, spec: tuple, models: dict, args: argparse.Namespace, dev
     if "lora.r" in overrides:  # dtrain's initial adapters, by PEFT's names (B is zero): TRL starts from them
         saved["adapters"] = peft_tensors(sharded_model(config, device))
     saved["history"] = run(config, args.out / name, device)
-    if name == "resumed":  # what followed step 2 is lost (a kill); the same folder resumed on another mesh
+    if name == "resumed":  # what followed step 1 is lost (a kill); the same folder resumed on another mesh
         config = grpo_config(models[model], args.data, args.completions, {**overrides, **RESUMED_ON})
-        resumed = run(config, args.out / name, device, args.out / name / "checkpoints" / "step-00000002")
-        saved["history"] = saved["history"][:2] + resumed
+        resumed = run(config, args.out / name, device, args.out / name / "checkpoints" / "step-00000001")
+        saved["history"] = saved["history"][:1] + resumed
     if dist.get_rank() == 0:
         rollouts = args.out / name / "rollouts.jsonl"
         saved["rollouts"] = [json.loads(line) for line in rollouts.read_text().splitlines()]
