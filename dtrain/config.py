@@ -392,6 +392,15 @@ class RolloutConfig:
     path: str | None = None
     """`file`: a JSONL of `{"prompt": ..., "completions": [...]}` per prompt, in data order (a run's
     own `rollouts.jsonl` replays it)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """`vllm`: the fraction of each GPU's memory vLLM takes for its copy of the weights and its KV
+    cache, beside the trainer (TRL's `vllm_gpu_memory_utilization`, colocate mode)."""
+    vllm_enable_sleep_mode: bool = False
+    """`vllm`: put vLLM to sleep between rollouts (its weights and KV cache freed while the trainer
+    steps, the weights pushed again before each rollout), as TRL's `vllm_enable_sleep_mode`."""
+    vllm_tensor_parallel_size: int = 1
+    """`vllm`: GPUs each vLLM copy spans (consecutive ranks; it must divide the world size), as TRL's
+    `vllm_tensor_parallel_size`; each group's ranks sample all of its prompts and keep their own."""
 
 
 @dataclass
