@@ -69,14 +69,30 @@ def think_format(completions: list, **kwargs: Any) -> list[float]:
     return [1.0 if THINK.match(text) else 0.0 for text in _texts(completions)]
 
 
+def _kind(char: str) -> str:
+    """A character's kind: a digit, a lowercase or an uppercase letter, or anything else."""
+    if char.isdigit():
+        return "0"
+    if "a" <= char <= "z":
+        return "a"
+    return "A" if "A" <= char <= "Z" else "?"
+
+
 def match(completions: list, solution: list[str], **kwargs: Any) -> list[float]:
-    """How close the completion is to the `solution` column, character by character: difflib's
-    similarity ratio of the two stripped texts, 0.0 to 1.0 (1.0: the same). The embedded default's
-    verifiable reward: partial credit from the first step, so a random policy has something to climb."""
-    return [
-        difflib.SequenceMatcher(None, text.strip(), gold.strip(), autojunk=False).ratio()
-        for text, gold in zip(_texts(completions), solution, strict=True)
-    ]
+    """Partial credit against the `solution` column, 0.0 to 1.0 (1.0: the solution itself): the mean of
+    the share of the completion's characters (spaces aside) of a kind the solution has (digits for a
+    sum, capitals for an uppercased word ...) and difflib's similarity ratio of the two stripped texts.
+    The embedded default's verifiable reward: a random policy earns some of it from the first step, and
+    can climb it by writing the right kind of answer before the right answer."""
+    rewards = []
+    for text, gold in zip(_texts(completions), solution, strict=True):
+        text, gold = text.strip(), gold.strip()
+        kinds = {_kind(char) for char in gold if char != " "}
+        chars = [char for char in text if char != " "]
+        kind = sum(_kind(char) in kinds for char in chars) / len(chars) if chars else 0.0
+        similar = difflib.SequenceMatcher(None, text, gold, autojunk=False).ratio()
+        rewards.append((kind + similar) / 2)
+    return rewards
 
 
 BUILTINS: dict[str, Callable[..., list]] = {"accuracy": accuracy, "format": think_format, "match": match}

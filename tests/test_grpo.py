@@ -36,10 +36,10 @@ import torch
 
 from tests.dpo_reference import write_jsonl
 from tests.grpo_reference import cached_run
-from tests.helpers import TOKENIZER, run, run_worker, save_tiny_llama, save_tiny_moe
+from tests.helpers import run, run_worker, save_tiny_llama, save_tiny_moe
 from tests.test_grpo_reference import COMPLETIONS, FUNCS, RECORDS, reference_cache_dir
 from tests.tolerance import RTOL, assert_close
-from tests.workers.grpo_runs import G, GLOBAL_BATCH, LR, MAX_COMPLETION, SCENARIOS, STEPS, WEIGHTS
+from tests.workers.grpo_runs import GLOBAL_BATCH, LR, MAX_COMPLETION, SCENARIOS, STEPS, WEIGHTS, G
 
 # Four prompts, two a generation at one step a generation: the file twice in three steps, no prompt left
 # over at an epoch's end (TRL drops a partial last chunk each epoch; dtrain's stream goes on across
@@ -184,44 +184,155 @@ def test_every_step_matches_trl(inputs, runs, tmp_path_factory, name):
         assert_step_matches(record, ref["metrics"], step, generation["advantages"], name)
 
 
-# --- the rollouts file and the file engine ------------------------------------------------------------
+# --- the command line: a replay, and bad inputs ------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_a_runs_rollouts_replay_it(inputs, runs, tmp_path):
-    """rollouts.jsonl is in the file engine's format: a run on it (dtrain.grpo's command line, one
-    process) logs the same curve as the run that wrote it (dtrain against dtrain: the same completions
-    must give the same run, whose own curve is TRL's above)."""
-    source = runs["1x1_dapo_kl"]
-    replay = tmp_path / "rollouts.jsonl"
-    write_jsonl(replay, source["rollouts"])
-    overrides = dict(ALL["1x1_dapo_kl"][1])
-    command = [f"model.name_or_path={inputs['llama']}", f"data.path={inputs['data']}"]
-    command += [f"rollout.path={replay}", f"hydra.run.dir={tmp_path / 'run'}", "train.precision=fp32"]
-    command += grpo_command(overrides)
-    result = run(one_process("dtrain.grpo", command), timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:]
-    replayed = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    for record, original in zip(replayed, source["history"], strict=True):
-        for key in ("loss", "grad_norm"):
-            assert_close(torch.tensor(record[key]), torch.tensor(original[key]), 0.0, f"replayed {key}")
+def raising_reward(prompts, completions, completion_ids, target, **kwargs):
+    """Raises on one example's completions (data example 1: target 4)."""
+    if 4 in target:
+        raise ValueError("no reward for a target of 4")
+    return [0.0] * len(completions)
 
 
-def grpo_command(overrides: dict) -> list[str]:
-    """The worker's base settings and `overrides` as command-line overrides."""
+def short_reward(prompts, completions, completion_ids, **kwargs):
+    return [0.0] * (len(completions) - 1)
+
+
+def rank_one_reward(prompts, completions, completion_ids, **kwargs):
+    """Raises on rank 1 alone: the others must not wait for it."""
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("rank 1's reward server is down")
+    return [0.0] * len(completions)
+
+
+EXPECTED_RANK_ONE = (
+    "step 1: rank 1: grpo.reward_funcs[0]=tests.test_grpo:rank_one_reward raised RuntimeError: rank 1's "
+    "reward server is down (data example 1)"
+)
+
+
+def base_command(inputs, folder: Path, overrides: dict) -> list[str]:
+    """dtrain.grpo's command line for the worker's base settings, `overrides` on top."""
     from tests.workers.grpo_runs import BASE
 
-    items = {**BASE, **overrides}
-    items.pop("rollout.path", None)
-    return [
-        f"{key}={json.dumps(value) if isinstance(value, list) else value}" for key, value in items.items()
+    items = {**BASE, "rollout.path": str(inputs["completions"]), **overrides}
+    args = [f"model.name_or_path={inputs['llama']}", f"data.path={inputs['data']}", f"hydra.run.dir={folder}"]
+    args += ["train.precision=fp32", "checkpoint.save_final=false"]
+    return args + [
+        f"{key}={json.dumps(v) if isinstance(v, list) or v is None else v}" for key, v in items.items()
     ]
 
 
-def one_process(module: str, args: list[str]) -> list[str]:
-    import sys
-
-    return [sys.executable, "-m", module, *args]
+def funcs(*names: str) -> list[str]:
+    return [f"tests.test_grpo:{name}" for name in names]
 
 
-TOKENIZER_DIR = TOKENIZER
+BAD = {
+    "missing_module": (
+        {"grpo.reward_funcs": ["no_such_module:reward"], "grpo.reward_weights": None},
+        "grpo.reward_funcs[0]=no_such_module:reward: cannot import 'no_such_module'",
+    ),
+    "missing_function": (
+        {"grpo.reward_funcs": funcs("nowhere"), "grpo.reward_weights": None},
+        "module 'tests.test_grpo' has no function 'nowhere'",
+    ),
+    "raises": (
+        {"grpo.reward_funcs": funcs("raising_reward"), "grpo.reward_weights": None},
+        "grpo.reward_funcs[0]=tests.test_grpo:raising_reward raised ValueError: no reward for a target of 4 "
+        "(data example 1)",
+    ),
+    "wrong_count": (
+        {"grpo.reward_funcs": funcs("short_reward"), "grpo.reward_weights": None},
+        "returned 7 rewards for 8 completions",
+    ),
+    "group_not_dividing": (
+        {"train.global_batch_size": 6, "train.micro_batch_size": 6},
+        "train.global_batch_size=6 (completions) is not a multiple of grpo.num_generations=4",
+    ),
+    "group_of_one": ({"grpo.num_generations": 1}, "grpo.num_generations=1: must be >= 2"),
+    "prompt_too_long": ({"data.max_len": 8}, "do not fit data.max_len=8"),
+    "vllm_on_cpu": ({"rollout.engine": "vllm"}, "rollout.engine=vllm"),
+    "file_mismatch": ({"rollout.path": "SHUFFLED"}, "is not the run's prompt 0"),
+    "file_count": ({"rollout.path": "SHORT"}, ":2: 3 completions; grpo.num_generations=4 a prompt"),
+}
+
+
+@pytest.fixture(scope="module")
+def command_lines(inputs, runs, tmp_path_factory):
+    """One interpreter (tests/workers/cli_many): the replay of 1x1_dapo_kl's rollouts.jsonl, then each
+    bad input, `python -m dtrain.grpo` each."""
+    from tests.helpers import one_interpreter_command
+
+    folder = tmp_path_factory.mktemp("grpo_cli")
+    lines = [json.loads(line) for line in inputs["completions"].read_text().splitlines()]
+    files = {
+        "SHUFFLED": write_jsonl(folder / "shuffled.jsonl", lines[1:] + lines[:1]),
+        "SHORT": write_jsonl(
+            folder / "short.jsonl", [lines[0], {**lines[1], "completions": lines[1]["completions"][:3]}]
+        ),
+        "REPLAY": write_jsonl(folder / "replay.jsonl", runs["1x1_dapo_kl"]["rollouts"]),
+    }
+    settings = {"replay": {**ALL["1x1_dapo_kl"][1], "rollout.path": files["REPLAY"]}}
+    for name, (overrides, _) in BAD.items():
+        settings[name] = {
+            key: files.get(value, value) if key == "rollout.path" else value
+            for key, value in overrides.items()
+        }
+    commands = {name: base_command(inputs, folder / name, overrides) for name, overrides in settings.items()}
+    env = {
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29571",
+    }
+    result = run(
+        one_interpreter_command(
+            folder / "cli", commands, module="dtrain.grpo", envs=dict.fromkeys(commands, env)
+        ),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:]
+    return folder, json.loads((folder / "cli" / "out.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_runs_rollouts_replay_it(command_lines, runs):
+    """rollouts.jsonl is in the file engine's format: a run on it logs the same curve as the run that
+    wrote it (dtrain against dtrain: the same completions must give the same run, whose own curve is
+    TRL's above)."""
+    folder, outcomes = command_lines
+    assert outcomes["replay"]["returncode"] == 0, outcomes["replay"]["output"][-3000:]
+    replayed = [json.loads(line) for line in (folder / "replay" / "metrics.jsonl").read_text().splitlines()]
+    original = runs["1x1_dapo_kl"]["history"]
+    assert len(replayed) == len(original) == STEPS
+    for record, source in zip(replayed, original, strict=True):
+        for key in ("loss", "grad_norm", "reward"):
+            assert_close(torch.tensor(record[key]), torch.tensor(source[key]), 0.0, f"replayed {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_fails_with_one_line_and_exit_code_2(command_lines, name):
+    """Each: the one-line message naming what is wrong (the function and the example, the key, the
+    file and line), exit code 2."""
+    _, outcomes = command_lines
+    outcome, message = outcomes[name], BAD[name][1]
+    errors = [line for line in outcome["stderr"].splitlines() if line.startswith("dtrain: error:")]
+    assert outcome["returncode"] == 2, (name, outcome["output"][-3000:])
+    assert len(errors) == 1 and message in errors[0], (name, errors)
+
+
+@pytest.mark.slow
+def test_a_reward_that_fails_on_one_rank_stops_every_rank(inputs, tmp_path):
+    """Two ranks, the reward function raising on rank 1 only: every rank stops with the same one line
+    naming rank 1, exit code 2, none left waiting in a collective (the launch's timeout would fail)."""
+    from tests.helpers import forked_command
+
+    overrides = {"grpo.reward_funcs": funcs("rank_one_reward"), "grpo.reward_weights": None}
+    result = run(
+        forked_command(2, "dtrain.grpo", *base_command(inputs, tmp_path / "run", overrides)), timeout=300
+    )
+    errors = [line for line in result.stdout.splitlines() if line.startswith("dtrain: error:")]
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert len(errors) == 1 and EXPECTED_RANK_ONE in errors[0], errors

@@ -51,7 +51,7 @@ from dtrain.objectives.grpo_generation import (
 from dtrain.parallel import lora
 from dtrain.parallel.parallelize import reshard
 from dtrain.reliability import RankFailure, agreed_error
-from dtrain.rewards import RewardFunction, Scored, load, score
+from dtrain.rewards import RewardError, RewardFunction, Scored, load, score
 from dtrain.rollout import Completion, Engine, Prompt
 from dtrain.step import global_counts, local_micro_batch
 
@@ -178,7 +178,8 @@ class GRPO(Objective):
             sampled = time.perf_counter()
             local = (completions, self.score(mine, completions).tolist())
         except Exception as caught:  # bad input or a failing function on this rank: every rank stops
-            error = f"{caught}" if isinstance(caught, ConfigError) else f"{type(caught).__name__}: {caught}"
+            bad_input = isinstance(caught, (ConfigError, RewardError))
+            error = f"{caught}" if bad_input else f"{type(caught).__name__}: {caught}"
         scored = time.perf_counter()
         message = agreed_error(error)
         if message is not None:
@@ -375,42 +376,29 @@ class GRPO(Objective):
 
 def build_engine(config: GRPORunConfig, context: Context, tokenizer: Any, prompts: int) -> Engine:
     """rollout.engine's engine for this rank (`prompts`: a generation's; each rank samples its share)."""
-    settings, engine = config.grpo, config.rollout.engine
-    if engine == "file":
+    from dtrain.rollout.sampling import eos_token_ids
+
+    settings, rollout, model_config = config.grpo, config.rollout, context.model.config
+    eos = eos_token_ids(tokenizer.eos_token_id, model_config, config.model.name_or_path)
+    dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
+    if rollout.engine == "file":
         from dtrain.rollout.file import FileEngine
 
         start, _ = share(prompts, dist.get_rank(), dist.get_world_size())
+        path = Path(rollout.path)
         return FileEngine(
-            Path(config.rollout.path),
-            tokenizer,
-            settings.num_generations,
-            settings.max_completion_length,
-            eos_token_ids(tokenizer, context.model.config),
-            per_generation=prompts,
-            first=start,
+            path, tokenizer, settings.num_generations, settings.max_completion_length, eos, prompts, start
         )
-    module = engine_module(engine)
-    return module.build(config, context, tokenizer)
+    if rollout.engine == "hf":
+        from dtrain.rollout.hf import HFEngine
 
+        device = context.parallel.device
+        return HFEngine(model_config, settings, config.train.seed, eos, tokenizer.pad_token_id, dtype, device)
+    from dtrain.rollout.vllm import VLLMEngine
 
-def engine_module(engine: str) -> Any:
-    """dtrain.rollout.<engine> (hf, vllm): imported when chosen (vLLM is an optional extra)."""
-    import importlib
-
-    try:
-        return importlib.import_module(f"dtrain.rollout.{engine}")
-    except ModuleNotFoundError as error:
-        raise ConfigError(f"rollout.engine={engine}: {error}") from None
-
-
-def eos_token_ids(tokenizer: Any, model_config: Any) -> list[int]:
-    """The ids that end a completion, TRL's: the model's eos_token_id (an id or a list) and the
-    tokenizer's."""
-    ids = getattr(model_config, "eos_token_id", None)
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
+    folder = (context.run_dir or Path(".")) / "vllm"
+    seed = config.train.seed
+    return VLLMEngine(rollout, settings, seed, model_config, eos, dtype, config.data.max_len, folder)
 
 
 def prompts_per_generation(config: Config) -> int:
@@ -512,9 +500,9 @@ def check(config: Config) -> None:
             "rollout.engine=file: needs rollout.path (a JSONL of prompts and their completions)"
         )
     if rollout.engine == "vllm":
-        checker = getattr(engine_module("vllm"), "check", None)
-        if checker is not None:
-            checker(rollout)
+        from dtrain.rollout import vllm
+
+        vllm.check(rollout)
     if train.epochs is not None:
         raise ConfigError(
             f"train.epochs={train.epochs}: dtrain.grpo counts train.max_steps (unset train.epochs)"
