@@ -25,13 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.config import (
-    Config,
-    ConfigError,
-    GRPORunConfig,
-    MoeConfig,
-    TrainConfig,
-)
+from dtrain.config import Config, ConfigError, GRPORunConfig, MoeConfig, PlanConfig, TrainConfig
 from dtrain.data.formats import PROMPT_FEATURES, load_tokenizer, pad_id
 from dtrain.data.prompts import rollout_batch, token_place
 from dtrain.distributed import Parallel
@@ -118,26 +112,21 @@ class GRPO(Objective):
         self.steps_since_log += 1
         k = step % self.settings.steps_per_generation
         batches = [local_micro_batch(mb, self.parallel) for mb in self.host_batches(k)]
-        self.step_rollouts = [p for positions in self.positions(k, every_rank=True) for p in positions]
         self.train_start = time.perf_counter()
         return batches
 
-    def positions(self, step: int, every_rank: bool = False) -> list[list[int]]:
-        """The completion positions of step `step` of the generation: this rank's micro-batches, or
-        (every_rank) every dp rank's."""
-        ranks = range(self.parallel.dp_size) if every_rank else [self.parallel.dp_rank]
-        return [
-            positions
-            for rank in ranks
-            for positions in step_positions(
-                self.generation,
-                step,
-                self.train.global_batch_size,
-                self.train.micro_batch_size,
-                rank,
-                self.parallel.dp_size,
-            )  # fmt: skip
-        ]
+    def positions(self, step: int) -> list[list[int]]:
+        """This dp rank's micro-batches of step `step` of the generation: each a list of its completions'
+        positions."""
+        train, parallel = self.train, self.parallel
+        return step_positions(
+            self.generation,
+            step,
+            train.global_batch_size,
+            train.micro_batch_size,
+            parallel.dp_rank,
+            parallel.dp_size,
+        )
 
     def host_batches(self, step: int, tokens: bool = True) -> HostBatches:
         """This rank's micro-batches of step `step` of the generation, on the host."""
@@ -293,14 +282,10 @@ class GRPO(Objective):
     # --- a step --------------------------------------------------------------------------------------
 
     def count(self, micro_batches: list[dict[str, Any]]) -> None:
+        """The step's counts: its trained completion tokens over every dp and cp rank (every target:
+        the labels hold nothing else), and its completions (the global batch, masked ones included)."""
         self.tokens, self.filled, self.slots = global_counts(micro_batches, self.parallel)
-        generation, settings = self.generation, self.settings
-        trained = [
-            len(generation.ids[p])
-            for p in self.step_rollouts
-            if not (settings.mask_truncated_completions and generation.truncated[p])
-        ]
-        self.counts = grpo_loss.StepCounts(tokens=float(sum(trained)), completions=len(self.step_rollouts))
+        self.counts = grpo_loss.StepCounts(tokens=self.tokens, completions=self.train.global_batch_size)
         self.sums = torch.zeros(len(grpo_loss.FIGURES), dtype=torch.float64, device=self.parallel.device)
 
     def forward(self, micro_batch: dict[str, Any]) -> torch.Tensor:
@@ -323,7 +308,7 @@ class GRPO(Objective):
     def reduce(self) -> StepFigures:
         dist.all_reduce(self.sums, group=self.parallel.token_group)
         sums = dict(zip(grpo_loss.FIGURES, self.sums.tolist(), strict=True))
-        tokens = max(self.counts.tokens, 1.0)
+        tokens = max(self.counts.tokens.item(), 1.0)
         extra: dict[str, Any] = {}
         if self.settings.beta != 0.0:
             extra["kl"] = sums["kl"] / tokens
@@ -334,7 +319,7 @@ class GRPO(Objective):
         for name in grpo_loss.FIGURES[3:]:
             extra[name] = sums[name] / per_clip
         extra |= self.logged_generations()
-        return StepFigures(sums["loss"], int(self.counts.tokens), extra)
+        return StepFigures(sums["loss"], int(self.counts.tokens.item()), extra)
 
     def logged_generations(self) -> dict[str, Any]:
         """The generations' metrics since the last logged step (averaged over them, NaN skipped, as TRL's
@@ -418,10 +403,11 @@ def build(context: Context) -> GRPO:
     a starting adapter included, as TRL's)."""
     config, model, parallel = context.config, context.model, context.parallel
     settings = config.grpo
-    if context.data is not None:
+    planning = context.data is None  # dtrain.estimate: the step alone, no engine, no rewards
+    if not planning:
         where = config.data.sources()[0].where if not config.data.mix else "data.mix"
         context.data.train.rows.check_room(config.data.max_len, settings.max_completion_length, where)
-    tokenizer = load_tokenizer(tokenizer_source(config.model))
+    tokenizer = None if planning else load_tokenizer(tokenizer_source(config.model))
     reference = None
     if settings.beta != 0.0:
         if lora.enabled(config.lora) and not config.lora.adapter:
@@ -430,7 +416,7 @@ def build(context: Context) -> GRPO:
             raise ValueError("grpo.beta != 0: the objective needs a frozen copy of the policy (frozen_copy)")
         else:
             reference = context.frozen_copy()
-    engine = build_engine(config, context, tokenizer, prompts_per_generation(config))
+    engine = None if planning else build_engine(config, context, tokenizer, prompts_per_generation(config))
     return GRPO(
         model,
         parallel,
@@ -438,7 +424,7 @@ def build(context: Context) -> GRPO:
         config.moe,
         config,
         engine,
-        load(settings.reward_funcs),
+        [] if planning else load(settings.reward_funcs),
         tokenizer,
         reference,
         context.run_dir,
@@ -499,7 +485,7 @@ def check(config: Config) -> None:
         raise ConfigError(
             "rollout.engine=file: needs rollout.path (a JSONL of prompts and their completions)"
         )
-    if rollout.engine == "vllm":
+    if rollout.engine == "vllm" and not isinstance(config, PlanConfig):  # a plan needs no vLLM, no GPU
         from dtrain.rollout import vllm
 
         vllm.check(rollout)

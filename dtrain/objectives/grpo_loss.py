@@ -50,7 +50,7 @@ FIGURES = ("loss", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean
 class StepCounts:
     """What a step's loss is normalised by, over the whole optimizer step (every rank's completions)."""
 
-    tokens: float  # completion tokens trained on (grpo.mask_truncated_completions leaves some out)
+    tokens: torch.Tensor  # completion tokens trained on (grpo.mask_truncated_completions leaves some out)
     completions: int  # completions in the step, those left out of the loss included (as TRL counts them)
 
 
@@ -126,7 +126,7 @@ def token_weights(settings: GRPOConfig, micro_batch: dict[str, Any], counts: Ste
         return 1.0 / (lengths.clamp(min=1.0) * counts.completions)
     if settings.loss_type == "dr_grpo":
         return torch.full_like(lengths, 1.0 / (counts.completions * settings.max_completion_length))
-    return torch.full_like(lengths, 1.0 / max(counts.tokens, 1.0))  # dapo, bnpo
+    return torch.ones_like(lengths) / counts.tokens.clamp(min=1.0)  # dapo, bnpo
 
 
 def grpo_loss(

@@ -40,6 +40,8 @@ KL = {"grpo.beta": 0.04}
 MU2 = {"grpo.num_iterations": 2}
 GSPO = {"grpo.importance_sampling_level": "sequence", "grpo.loss_type": "grpo"}
 SPG2 = {"grpo.steps_per_generation": 2}
+HF = {"rollout.engine": "hf", **MU2, **KL}
+RESUME = {"checkpoint.every": 1, "checkpoint.keep": 3}
 MESHES = {  # 4 ranks
     "dp4": {"parallel.dp_shard": 4, "train.micro_batch_size": 1},
     "tp2_dp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 2},  # sequence parallel
@@ -67,6 +69,8 @@ SCENARIOS: dict[int, dict[str, tuple[str, dict[str, Any]]]] = {
         "1x1_spg2": ("llama", SPG2),
         "1x1_lora_kl": ("llama", {**LORA, **KL}),
         "1x1_moe": ("moe", {"train.micro_batch_size": 8}),
+        # transformers' generate on the policy (rollout.engine=hf): the same completions on every mesh
+        "1x1_hf": ("llama", HF),
     },
     4: {
         # the done-when case: accumulation 2, dapo, beta 0.04
@@ -75,19 +79,11 @@ SCENARIOS: dict[int, dict[str, tuple[str, dict[str, Any]]]] = {
         "hsdp_spg2": ("llama", {**MESHES["hsdp"], **SPG2}),
         "lora_tp2_dp2": ("llama", {**MESHES["tp2_dp2"], **LORA, **KL}),
         "moe_ep2_tp2": ("moe", {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.ep": 2}),
+        "tp2_dp2_hf": ("llama", {**MESHES["tp2_dp2"], **HF}),
+        "hf_resumed": ("llama", {**MESHES["dp4"], **HF, **RESUME}),
         # checkpointed after step 1, in the middle of a generation (mu 2: steps 1-2), then rerun on another
         # mesh from there
-        "resumed": (
-            "llama",
-            {
-                **MESHES["dp4"],
-                "grpo.loss_type": "grpo",
-                **MU2,
-                **KL,
-                "checkpoint.every": 1,
-                "checkpoint.keep": 3,
-            },
-        ),
+        "resumed": ("llama", {**MESHES["dp4"], "grpo.loss_type": "grpo", **MU2, **KL, **RESUME}),
     },
 }
 RESUMED_ON = MESHES["tp2_dp2"]
@@ -116,7 +112,10 @@ def scenario(name: str, spec: tuple, models: dict, args: argparse.Namespace, dev
     if "lora.r" in overrides:  # dtrain's initial adapters, by PEFT's names (B is zero): TRL starts from them
         saved["adapters"] = peft_tensors(sharded_model(config, device))
     saved["history"] = run(config, args.out / name, device)
-    if name == "resumed":  # what followed step 1 is lost (a kill); the same folder resumed on another mesh
+    if name in (
+        "resumed",
+        "hf_resumed",
+    ):  # what followed step 1 is lost (a kill); the same folder resumed on another mesh
         config = grpo_config(models[model], args.data, args.completions, {**overrides, **RESUMED_ON})
         resumed = run(config, args.out / name, device, args.out / name / "checkpoints" / "step-00000001")
         saved["history"] = saved["history"][:1] + resumed
