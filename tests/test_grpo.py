@@ -36,7 +36,7 @@ import torch
 
 from tests.dpo_reference import write_jsonl
 from tests.grpo_reference import cached_run
-from tests.helpers import run, run_worker, save_tiny_llama, save_tiny_moe
+from tests.helpers import TOKENIZER, run, run_worker, save_tiny_llama, save_tiny_moe
 from tests.test_grpo_reference import COMPLETIONS, FUNCS, RECORDS, reference_cache_dir
 from tests.tolerance import RTOL, assert_close
 from tests.workers.grpo_runs import GLOBAL_BATCH, LR, MAX_COMPLETION, SCENARIOS, STEPS, WEIGHTS, G
@@ -364,3 +364,49 @@ def test_a_reward_that_fails_on_one_rank_stops_every_rank(inputs, tmp_path):
     errors = [line for line in result.stdout.splitlines() if line.startswith("dtrain: error:")]
     assert result.returncode == 2, result.stdout[-3000:]
     assert len(errors) == 1 and EXPECTED_RANK_ONE in errors[0], errors
+
+
+# --- the pieces, against TRL's own -----------------------------------------------------------------------
+
+
+def test_the_file_engine_reads_texts_by_trls_rule(tmp_path):
+    """A text completion becomes the ids TRL trains on (tests/grpo_reference.completion_ids: its tokens,
+    then EOS, cut at max_completion_length), truncated exactly where no EOS ends it; ids are taken as
+    they are; line n answers the n-th prompt drawn, the file read again when it ends."""
+    from transformers import AutoTokenizer
+
+    from dtrain.rollout import Prompt
+    from dtrain.rollout.file import FileEngine
+    from tests.grpo_reference import completion_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    lines = [{"prompt": r["prompt"], "completions": c} for r, c in zip(PROMPTS, GIVEN, strict=True)]
+    path = write_jsonl(tmp_path / "completions.jsonl", lines)
+    engine = FileEngine(path, tokenizer, G, MAX_COMPLETION, [1], per_generation=2, first=1)
+    prompts = [
+        Prompt(index=3, ids=[], record=PROMPTS[3]["prompt"])
+    ]  # generation 1: prompts 2, 3; this rank's 3
+    (completions,) = engine.generate(prompts, generation=1)
+    for completion, given in zip(completions, GIVEN[3], strict=True):
+        assert completion.ids == completion_ids(tokenizer, given, [1], MAX_COMPLETION)
+        assert completion.truncated == (completion.ids[-1] != 1)
+    (again,) = engine.generate([Prompt(index=1, ids=[], record=PROMPTS[1]["prompt"])], generation=2)
+    assert [c.ids for c in again] == [completion_ids(tokenizer, g, [1], MAX_COMPLETION) for g in GIVEN[1]]
+    assert again[3].ids == GIVEN[1][3] and again[3].truncated  # ids as given, no EOS: truncated
+
+
+@pytest.mark.slow  # imports TRL
+def test_the_builtin_rewards_are_trls():
+    """`accuracy` and `format` give TRL 1.16's `accuracy_reward` and `think_format_reward` on the same
+    completions (chat and plain), None included."""
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    from dtrain.rewards import accuracy, think_format
+
+    texts = [r"\boxed{\frac{1}{3}}", r"so $x = 2$", "<think>a</think> 4", "<think>a", r"\boxed{7}", "none"]
+    solutions = [r"\frac{1}{3}", "$2$", "4", "4", r"\text{unparseable}}", "3"]
+    chat = [[{"role": "assistant", "content": text}] for text in texts]
+    assert accuracy(chat, solutions) == accuracy_reward(chat, solutions)
+    assert accuracy(texts, solutions) == accuracy_reward(chat, solutions)
+    assert think_format(chat) == think_format_reward(chat) == think_format(texts)
+    assert 1.0 in accuracy(chat, solutions) and 0.0 in accuracy(chat, solutions)

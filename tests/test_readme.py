@@ -1,12 +1,12 @@
-"""Every command of the README's ```bash blocks, and of the docs' (DOCUMENTS), runs as a user types
-it, from a folder outside the repo, so an edit that breaks one fails here. What a 2-core CPU
-machine without network cannot run as written is changed by SUBSTITUTIONS (applied to the block's
-text, each listed with why), and every `dtrain.sft` and `dtrain.dpo` run gets TINY_RUN (a step count
-this machine affords) and a run folder of its own. Each command must leave what it makes (a run's config and
+"""Every command of the README's ```bash blocks, and of the docs' (DOCUMENTS), runs as a user types it,
+from a folder outside the repo, so an edit that breaks one fails here. What a 2-core CPU machine without
+network cannot run as written is changed by SUBSTITUTIONS (applied to the block's text, each listed with
+why), and every `dtrain.sft`, `dtrain.dpo` and `dtrain.grpo` run gets TINY_RUN (a step count this
+machine affords) and a run folder of its own. Each command must leave what it makes (a run's config and
 metrics, a sweep's jobs, an export, a plot, a plan's table). COVERED_ELSEWHERE names the commands
-another test already runs as typed; the commands that need a cluster (sbatch, kubectl, submitit_slurm) or take
-long (the benchmark, the GPU check) are inline text, not bash blocks, and test_launch.py runs the
-cluster ones' local equivalents."""
+another test already runs as typed; the commands that need a cluster (sbatch, kubectl, submitit_slurm)
+or take long (the benchmark, the GPU check) are inline text, not bash blocks, and test_launch.py runs
+the cluster ones' local equivalents."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ COVERED_ELSEWHERE = {
     "data.input_key=question parallel.tp=2 lora.r=16 lora.base_dtype=nf4 checkpoint.export_hf=true",
 }
 TINY_RUN = ["train.max_steps=2"]
+TRAINING = ("dtrain.sft", "dtrain.dpo", "dtrain.grpo")  # the entry points that train: TINY_RUN each
 # A hub model cannot be downloaded here: experiments run on the fixture folder (4 KV heads, so tp=4
 # divides them) with a batch and length a CPU affords; the rest keeps the experiment's settings.
 EXPERIMENT_ON_FIXTURE = (
@@ -100,7 +101,7 @@ def as_run_here(command: str, index: int, fixtures: dict[str, str]) -> list[str]
     for old, new in SUBSTITUTIONS:
         command = command.replace(old, new)
     args = shlex.split(command.format(**fixtures))
-    if "dtrain.sft" in args or "dtrain.dpo" in args:
+    if any(entry in args for entry in TRAINING):
         args += TINY_RUN
         if any(arg.startswith("+experiment=") for arg in args):
             args += EXPERIMENT_ON_FIXTURE.format(**fixtures).split()
@@ -127,7 +128,7 @@ def assert_made_its_outputs(args: list[str], folder: Path, index: int, stdout: s
     """What each kind of command leaves: a run's config.yaml and its metrics up to TINY_RUN's step
     (a resume of the final checkpoint has no step left to log), every sweep job's metrics, an
     export's config.json and weights, a plot's PNG, a plan's table."""
-    if "dtrain.sft" in args or "dtrain.dpo" in args:
+    if any(entry in args for entry in TRAINING):
         if "--multirun" in args:
             # the sweep's folder is named by its overrides; the README's plot command names it, and
             # the plot's test checks that name
