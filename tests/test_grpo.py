@@ -410,3 +410,28 @@ def test_the_builtin_rewards_are_trls():
     assert accuracy(texts, solutions) == accuracy_reward(chat, solutions)
     assert think_format(chat) == think_format_reward(chat) == think_format(texts)
     assert 1.0 in accuracy(chat, solutions) and 0.0 in accuracy(chat, solutions)
+
+
+def test_the_vllm_correction_is_trls_by_hand():
+    """vLLM's importance-sampling correction (docs/grpo.md's appendix, §10), written out: δ_t = old −
+    sampling (a NaN sampling log-prob adds 0); per token exp(δ_t), or per completion exp(Σ_t δ_t) on
+    every token; outside [clip_min, clip_max] 0 (`*_mask`) or clamped (`*_truncate`)."""
+    from dtrain.objectives.grpo_generation import importance_ratio
+
+    old = [[-1.0, -2.0, -0.5], [-0.1, -0.2]]
+    sampled = [[-1.5, -1.0, float("nan")], [-0.1, -2.0]]
+    gaps = [[0.5, -1.0, 0.0], [0.0, 1.8]]
+    per_token = [[math.exp(g) for g in gap] for gap in gaps]
+    per_sequence = [[math.exp(sum(gap))] * len(gap) for gap in gaps]
+
+    def clipped(ratios, low, high, mask):
+        inside = lambda r: (low is None or r >= low) and (high is None or r <= high)  # noqa: E731
+        clamp = lambda r: min(max(r, low if low is not None else r), high if high is not None else r)  # noqa: E731
+        return [[(r if inside(r) else 0.0) if mask else clamp(r) for r in row] for row in ratios]
+
+    for mode, ratios in (("token", per_token), ("sequence", per_sequence)):
+        for kind, low, high in (("mask", None, 3.0), ("truncate", 0.5, 3.0), ("mask", 0.5, 2.0)):
+            got = importance_ratio(old, sampled, f"{mode}_{kind}", low, high)
+            want = clipped(ratios, low, high, kind == "mask")
+            for row, expected in zip(got, want, strict=True):
+                assert row == pytest.approx(expected, rel=1e-6), (mode, kind, low, high)
