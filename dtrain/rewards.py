@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dtrain.config import ConfigError
+from dtrain.config import ConfigError, SamplingConfig
 
 
 def _texts(completions: Sequence[Any]) -> list[str]:
@@ -214,3 +214,38 @@ def _failing_example(function: RewardFunction, batch: Scored) -> int | str:
         except Exception:
             return example
     return ", ".join(str(e) for e in sorted(set(batch.examples))[:8])
+
+
+def score_completions(
+    functions: Sequence[RewardFunction],
+    tokenizer: Any,
+    prompts: list[dict[str, Any]],
+    completions: list,
+    settings: SamplingConfig,
+) -> torch.Tensor:
+    """[completions, functions]: a rank's prompts' completions (dtrain.rollout.Completion, G a prompt)
+    scored by every function, as TRL calls them: the decoded texts (special tokens skipped; a chat
+    prompt's as one assistant message), the ids, every other column (`prompts`: dtrain/data/prompts.py's,
+    their records {"prompt", "columns"})."""
+    count = settings.num_generations
+    for prompt, found in zip(prompts, completions, strict=True):
+        if len(found) != count:
+            raise ValueError(
+                f"the engine returned {len(found)} completions for data example {prompt['index']}"
+            )
+    if not prompts:
+        return torch.zeros(0, len(functions))
+    ids = [c.ids for found in completions for c in found]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    records = [p["record"] for p in prompts for _ in range(count)]
+    chat = [not isinstance(r["prompt"], str) for r in records]
+    batch = Scored(
+        prompts=[r["prompt"] for r in records],
+        completions=[
+            [{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat, strict=True)
+        ],
+        completion_ids=ids,
+        columns={key: [r["columns"].get(key) for r in records] for key in records[0]["columns"]},
+        examples=[p["index"] for p in prompts for _ in range(count)],
+    )
+    return score(functions, batch)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.config import Config, ConfigError, GRPORunConfig, MoeConfig, PlanConfig, TrainConfig
+from dtrain.config import Config, ConfigError, GRPORunConfig, MoeConfig, TrainConfig
 from dtrain.data.formats import PROMPT_FEATURES, load_tokenizer, pad_id
 from dtrain.data.prompts import rollout_batch, token_place
 from dtrain.distributed import Parallel
@@ -34,6 +34,7 @@ from dtrain.model import tokenizer_source
 from dtrain.objectives import grpo_loss
 from dtrain.objectives.base import Context, HostBatches, Objective, ObjectiveSpec, StepFigures
 from dtrain.objectives.grpo_advantages import advantages, generation_metrics, reward_weights, weighted_rewards
+from dtrain.objectives.grpo_checks import check
 from dtrain.objectives.grpo_generation import (
     Generation,
     RolloutsFile,
@@ -45,16 +46,11 @@ from dtrain.objectives.grpo_generation import (
 from dtrain.parallel import lora
 from dtrain.parallel.parallelize import reshard
 from dtrain.reliability import RankFailure, agreed_error
-from dtrain.rewards import RewardError, RewardFunction, Scored, load, score
-from dtrain.rollout import Completion, Engine, Prompt
+from dtrain.rewards import RewardError, RewardFunction, load, score_completions
+from dtrain.rollout import Engine, Prompt
 from dtrain.step import global_counts, local_micro_batch
 
 log = logging.getLogger("dtrain")
-ENGINES = ("hf", "vllm", "file")
-LEVELS = ("token", "sequence")
-SCALES = ("group", "batch", "none")
-AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
 
 
 class GRPO(Objective):
@@ -165,7 +161,8 @@ class GRPO(Objective):
                 [Prompt(p["index"], p["ids"], p["record"]["prompt"]) for p in mine], index
             )
             sampled = time.perf_counter()
-            local = (completions, self.score(mine, completions).tolist())
+            scored = score_completions(self.functions, self.tokenizer, mine, completions, self.settings)
+            local = (completions, scored.tolist())
         except Exception as caught:  # bad input or a failing function on this rank: every rank stops
             bad_input = isinstance(caught, (ConfigError, RewardError))
             error = f"{caught}" if bad_input else f"{type(caught).__name__}: {caught}"
@@ -208,31 +205,6 @@ class GRPO(Objective):
             texts = self.tokenizer.batch_decode([c.ids for c in completions], skip_special_tokens=True)
             rewards = weighted_rewards(per_func, reward_weights(settings, len(names))).tolist()
             self.rollouts.write(self.generation, texts, rewards, names)
-
-    def score(self, prompts: list[dict[str, Any]], completions: list[list[Completion]]) -> torch.Tensor:
-        """[completions, functions]: this rank's prompts' completions scored by every reward function."""
-        group = self.settings.num_generations
-        for prompt, found in zip(prompts, completions, strict=True):
-            if len(found) != group:
-                raise ValueError(
-                    f"the engine returned {len(found)} completions for data example {prompt['index']}"
-                )
-        if not prompts:
-            return torch.zeros(0, len(self.functions))
-        ids = [c.ids for found in completions for c in found]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        records = [p["record"] for p in prompts for _ in range(group)]
-        chat = [not isinstance(r["prompt"], str) for r in records]
-        batch = Scored(
-            prompts=[r["prompt"] for r in records],
-            completions=[
-                [{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat, strict=True)
-            ],
-            completion_ids=ids,
-            columns={key: [r["columns"].get(key) for r in records] for key in records[0]["columns"]},
-            examples=[p["index"] for p in prompts for _ in range(group)],
-        )
-        return score(self.functions, batch)
 
     def add_logps(self) -> None:
         """The generation's per-token log-probs its later steps need: old (the policy now) when it
@@ -430,78 +402,6 @@ def build(context: Context) -> GRPO:
         context.run_dir,
         context.step,
     )
-
-
-def check(config: Config) -> None:
-    """grpo.* and rollout.*: values, the batch in whole groups, the reward functions importable."""
-    settings, rollout, train = config.grpo, config.rollout, config.train
-    group = settings.num_generations
-    if group < 2:
-        raise ConfigError(
-            f"grpo.num_generations={group}: must be >= 2 (a group's advantages compare its completions)"
-        )
-    if train.global_batch_size % group:
-        raise ConfigError(
-            f"train.global_batch_size={train.global_batch_size} (completions) is not a multiple of "
-            f"grpo.num_generations={group}: a step holds whole groups"
-        )
-    for key, value in (
-        ("grpo.max_completion_length", settings.max_completion_length),
-        ("grpo.num_iterations", settings.num_iterations),
-        ("grpo.steps_per_generation", settings.steps_per_generation),
-    ):
-        if value < 1:
-            raise ConfigError(f"{key}={value}: must be >= 1")
-    for key, value, allowed in (
-        ("grpo.loss_type", settings.loss_type, grpo_loss.LOSS_TYPES),
-        ("grpo.importance_sampling_level", settings.importance_sampling_level, LEVELS),
-        ("grpo.scale_rewards", settings.scale_rewards, SCALES),
-        ("grpo.multi_objective_aggregation", settings.multi_objective_aggregation, AGGREGATIONS),
-        ("grpo.vllm_importance_sampling_mode", settings.vllm_importance_sampling_mode, IS_MODES),
-        ("rollout.engine", rollout.engine, ENGINES),
-    ):
-        if value not in allowed:
-            raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
-    if not settings.temperature > 0:
-        raise ConfigError(f"grpo.temperature={settings.temperature}: must be > 0")
-    if settings.beta < 0 or settings.epsilon < 0 or (settings.epsilon_high or 0) < 0:
-        raise ConfigError("grpo.beta, grpo.epsilon and grpo.epsilon_high must be >= 0")
-    if settings.delta is not None and not settings.delta > 1:
-        raise ConfigError(f"grpo.delta={settings.delta}: must be > 1 (it caps the ratio above 1 + epsilon)")
-    if not settings.reward_funcs:
-        raise ConfigError("grpo.reward_funcs=[]: name at least one reward function")
-    if settings.reward_weights is not None and len(settings.reward_weights) != len(settings.reward_funcs):
-        raise ConfigError(
-            f"grpo.reward_weights={list(settings.reward_weights)}: one weight per grpo.reward_funcs entry "
-            f"({len(settings.reward_funcs)})"
-        )
-    load(settings.reward_funcs)  # a function that cannot be imported fails now, on every rank
-    if config.data.max_len <= settings.max_completion_length:
-        raise ConfigError(
-            f"data.max_len={config.data.max_len} must exceed grpo.max_completion_length="
-            f"{settings.max_completion_length}: a row holds a prompt and its whole completion"
-        )
-    if rollout.engine == "file" and not rollout.path:
-        raise ConfigError(
-            "rollout.engine=file: needs rollout.path (a JSONL of prompts and their completions)"
-        )
-    if rollout.engine == "vllm" and not isinstance(config, PlanConfig):  # a plan needs no vLLM, no GPU
-        from dtrain.rollout import vllm
-
-        vllm.check(rollout)
-    if train.epochs is not None:
-        raise ConfigError(
-            f"train.epochs={train.epochs}: dtrain.grpo counts train.max_steps (unset train.epochs)"
-        )
-    if train.eval_every:
-        raise ConfigError(f"train.eval_every={train.eval_every}: dtrain.grpo has no eval yet (set 0)")
-    if config.parallel.loss_impl == "chunked":
-        raise ConfigError("parallel.loss_impl=chunked: dtrain.grpo takes dense or fused (auto picks)")
-    if config.moe.aux_scope != "global_batch":
-        raise ConfigError(
-            f"moe.aux_scope={config.moe.aux_scope}: dtrain.grpo defines the router's aux loss over the whole "
-            "step (global_batch), so that the loss does not change with the accumulation"
-        )
 
 
 SPEC = ObjectiveSpec(
