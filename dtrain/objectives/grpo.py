@@ -161,8 +161,8 @@ class GRPO(Objective):
                 [Prompt(p["index"], p["ids"], p["record"]["prompt"]) for p in mine], index
             )
             sampled = time.perf_counter()
-            scored = score_completions(self.functions, self.tokenizer, mine, completions, self.settings)
-            local = (completions, scored.tolist())
+            rewards = score_completions(self.functions, self.tokenizer, mine, completions, settings)
+            local = (completions, rewards.tolist())
         except Exception as caught:  # bad input or a failing function on this rank: every rank stops
             bad_input = isinstance(caught, (ConfigError, RewardError))
             error = f"{caught}" if bad_input else f"{type(caught).__name__}: {caught}"
