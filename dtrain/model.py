@@ -26,11 +26,10 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
 
 from dtrain import attention
-from dtrain.checks import check_tp_divides, check_tp_support
 from dtrain.config import Config, ConfigError, LoraConfig, ModelConfig
 from dtrain.distributed import Parallel
 from dtrain.parallel import experts, fused, lora, phi3, qlora, vocab
-from dtrain.parallel.parallelize import parallelize
+from dtrain.parallel.parallelize import check_tp_divides, check_tp_support, parallelize
 
 # Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
 ARCHITECTURES = Path(__file__).parent / "assets" / "architectures"

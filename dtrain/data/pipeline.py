@@ -23,6 +23,7 @@ from dtrain.data.formats import FORMATS, KEPT, NOTHING_TO_LEARN, TRUNCATED, pad_
 from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
 from dtrain.data.packing import efficiency, one_per_row, pack
 from dtrain.data.pairs import Pairs, eval_pair_batches
+from dtrain.data.prompts import Prompts
 from dtrain.data.sources import Places, load_split, places
 
 log = logging.getLogger("dtrain")
@@ -64,7 +65,10 @@ def build_data(
         lambda: prepare_counted(data, tokenizer, train.seed)
     )
     rows = to_rows(train_examples, data, tokenizer)
-    if isinstance(rows, Pairs):  # packed per micro-batch: the fill is known as each one is built
+    if isinstance(rows, Prompts):  # completions come later (dtrain.grpo), packed per micro-batch
+        fill = 0.0
+        log.info(f"data: {len(rows)} training prompts, {train.global_batch_size} a generation")
+    elif isinstance(rows, Pairs):  # packed per micro-batch: the fill is known as each one is built
         fill = efficiency(column(train_examples, "length"), [[]] * (2 * len(rows)), data.max_len)
         log.info(
             f"data: {len(rows)} training pairs, two sequences each of at most {data.max_len} tokens "
@@ -95,7 +99,11 @@ def build_data(
     return SFTData(loader, evals, len(train_examples), fill, flagged)
 
 
-def to_rows(examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Rows | Pairs:
+def to_rows(
+    examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase
+) -> Rows | Pairs | Prompts:
+    if all(source.format == "prompt" for source in data.sources()):  # dtrain.grpo's prompts
+        return Prompts(examples)
     if data.preference:  # pairs, packed per micro-batch (dtrain/data/pairs.py)
         return Pairs(examples, data.max_len, pad_id(tokenizer), data.packing)
     layout = pack(column(examples, "length"), data.max_len) if data.packing else one_per_row(len(examples))
