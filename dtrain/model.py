@@ -3,6 +3,7 @@ straight into the sharded parameters, or a seeded init that is the same on every
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 from pathlib import Path
@@ -138,6 +139,25 @@ def build_model(
     if device is not None:
         materialize(model, device, config.model, config.train.seed, lora_settings)
     return model
+
+
+def build_frozen(
+    settings: ModelConfig,
+    config: Config,
+    parallel: Parallel,
+    device: torch.device | None,
+    vocab_rows: int | None = None,
+    attention_backend: str = "auto",
+    offline: bool = False,
+) -> nn.Module:
+    """A frozen model from another Hugging Face folder (`settings`: dtrain.distill's teacher), built
+    like the policy of `config` by build_model: the same mesh, TP plan, activation checkpointing and
+    FSDP sharding, its weights in the compute dtype, no LoRA, no gradients, never in the optimizer.
+    `vocab_rows`: the policy's, so both heads split the vocabulary alike. `offline` (the planner):
+    the architecture from dtrain's shipped copies (load_model_config)."""
+    model_config = load_model_config(settings, offline)
+    frozen = dataclasses.replace(config, model=settings, lora=LoraConfig())
+    return build_model(model_config, frozen, parallel, device, vocab_rows, attention_backend, frozen=True)
 
 
 def build_meta_model(

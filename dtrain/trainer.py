@@ -23,7 +23,7 @@ from dtrain.distributed import Parallel, build_parallel
 from dtrain.export import export_hf, export_merged
 from dtrain.faults import Faults
 from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_flops
-from dtrain.model import build_model, has_weights, tokenizer_source
+from dtrain.model import build_frozen, build_model, has_weights, tokenizer_source
 from dtrain.objectives import Context, Objective, build_objective
 from dtrain.optim import build_optimizer, build_scheduler, trainable_parameters
 from dtrain.parallel.experts import idle_parameters
@@ -102,7 +102,13 @@ def start_run(
     progress = load(resume_from, model, optimizer, scheduler, data.train) if resume_from else Progress()
     # the config's objective: SFT's token loss, DPO's pair loss with its reference (precomputed now) ...
     frozen = functools.partial(build_model, model_config, config, parallel, device, vocab_rows, frozen=True)
-    context = Context(config, model, parallel, frozen, data, run_dir, progress.step, resume_from)
+    # ... dtrain.distill's teacher: another folder's model, built like the policy
+    other = functools.partial(
+        build_frozen, config=config, parallel=parallel, device=device, vocab_rows=vocab_rows
+    )
+    context = Context(
+        config, model, parallel, frozen, data, run_dir, progress.step, resume_from, frozen_model=other
+    )
     objective = build_objective(context)
     objective.load_state_dict(progress.objective)
     faults = Faults.from_env()

@@ -19,6 +19,7 @@ from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
 from dtrain.config import ConfigError, DataConfig, Source, TrainConfig
+from dtrain.data.completions import Completions
 from dtrain.data.formats import FORMATS, KEPT, TRUNCATED, pad_id, tokenize_example
 from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
 from dtrain.data.packing import efficiency, one_per_row, pack
@@ -53,6 +54,13 @@ def build_data(
             f"data: {len(rows)} training pairs, two sequences each of at most {data.max_len} tokens "
             f"({'packed per micro-batch' if data.packing else f'one per row: efficiency {fill:.1%}'})"
         )
+    elif isinstance(rows, Completions):  # likewise, a sequence per example
+        fill = efficiency(column(train_examples, "length"), [[]] * len(rows), data.max_len)
+        log.info(
+            f"data: {len(rows)} training prompts with completions, a sequence each of at most "
+            f"{data.max_len} tokens "
+            f"({'packed per micro-batch' if data.packing else f'one per row: efficiency {fill:.1%}'})"
+        )
     else:
         fill = efficiency(column(train_examples, "length"), rows.rows, data.max_len)
         log.info(
@@ -77,9 +85,13 @@ def build_data(
     return SFTData(loader, evals, len(train_examples), fill)
 
 
-def to_rows(examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Rows | Pairs:
+def to_rows(
+    examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase
+) -> Rows | Pairs | Completions:
     if data.preference:  # pairs, packed per micro-batch (dtrain/data/pairs.py)
         return Pairs(examples, data.max_len, pad_id(tokenizer), data.packing)
+    if data.completions:  # prompts with completions, packed per micro-batch (dtrain/data/completions.py)
+        return Completions(examples, data.max_len, pad_id(tokenizer), data.packing)
     layout = pack(column(examples, "length"), data.max_len) if data.packing else one_per_row(len(examples))
     return Rows(examples, layout, data.max_len, pad_id(tokenizer))
 

@@ -36,7 +36,7 @@ from typing import Any
 import datasets
 import torch
 
-from dtrain.config import Config, MoeConfig
+from dtrain.config import Config, ModelConfig, MoeConfig
 from dtrain.data.formats import FORMATS
 from dtrain.distributed import Parallel
 from dtrain.loss import LossSettings, loss_context
@@ -148,10 +148,17 @@ class Context:
     # DPO's precompute table given whole (a plan, the benchmark); None: computed from `data` or read
     # from the run folder
     reference_table: Callable[[], torch.Tensor] | None = None
+    # a frozen model from another folder, built like the policy (dtrain.model.build_frozen: the same
+    # mesh, TP plan, compute dtype and FSDP sharding): dtrain.distill's teacher
+    frozen_model: Callable[[ModelConfig], torch.nn.Module] | None = None
 
 
 def no_checks(config: Config) -> None:
     """An objective without checks of its own."""
+
+
+def no_model_checks(config: Config, model_config: Any, files: bool = True) -> None:
+    """An objective without checks of the models it builds besides the policy."""
 
 
 def nothing_resolved(config: Config, resolved: dict[str, Any]) -> None:
@@ -170,6 +177,9 @@ class ObjectiveSpec:
     features: datasets.Features
     build: Callable[[Context], Objective]  # its loss, for a run or a plan
     check: Callable[[Config], None] = no_checks  # its own group's checks, before launch (ConfigError)
+    # its checks that need the policy's architecture (config, model_config, files: False when planning,
+    # which reads no data and no weights), e.g. a teacher's vocabulary against the student's
+    check_models: Callable[[Config, Any, bool], None] = no_model_checks
     # what config.yaml records of the values its checks resolved (e.g. dpo.reference=auto)
     record_resolved: Callable[[Config, dict[str, Any]], None] = nothing_resolved
 
