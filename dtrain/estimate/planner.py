@@ -27,11 +27,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dtrain.attention import config_window
 from dtrain.checks import check_config
-from dtrain.config import Config, ConfigError, MeshShape
+from dtrain.config import Config, ConfigError, MeshShape, ModelConfig
 from dtrain.distributed import build_parallel
 from dtrain.estimate.deepspeed import ParamCensus, census
 from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked_micro_batches
-from dtrain.model import allocate, build_meta_model, build_model, load_model_config
+from dtrain.model import allocate, build_frozen, build_meta_model, build_model, load_model_config
 from dtrain.objectives import Context, build_objective
 from dtrain.optim import build_optimizer
 from dtrain.parallel.context import shard_sequence
@@ -58,7 +58,7 @@ class Plan:
     attention: str  # the attention kernel planned: flex (CUDA's, for packed rows, windows, cp) or sdpa
     accumulation: int  # micro-batches per optimizer step
     loss_impl: str  # parallel.loss_impl as planned (auto resolved by check_config)
-    objective: str  # `sft`, or dtrain.dpo's `dpo (reference=MODE)`
+    objective: str  # `sft`, dtrain.dpo's `dpo (reference=MODE)`, dtrain.distill's `distill (teacher=NAME)`
     step: StepMemory
     # embedding / lm_head / experts (all layers): bytes on this rank and in all; experts also the
     # bytes a layer computes with on this rank (_computed_expert_bytes)
@@ -204,6 +204,11 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
         # dpo.reference=live: a frozen copy, built as the trainer builds it (allocated below)
         frozen = functools.partial(build_model, model_config, eager, parallel, None, None, attention_backend)
         reference = frozen(frozen=True) if config.data.preference and config.dpo.reference == "live" else None
+        # dtrain.distill: its teacher, built as the trainer builds it (build_frozen; allocated below)
+        teacher = None
+        if config.data.completions:
+            settings = ModelConfig(name_or_path=config.distill.teacher, init="pretrained")
+            teacher = build_frozen(settings, eager, parallel, None, None, attention_backend, offline=True)
         # The meta parameters become fake ones on to_empty: allow_non_fake_inputs lets that happen.
         with FakeTensorMode(allow_non_fake_inputs=True), dtensor_meta_in_own_fake_mode():
             allocated(model).train()
@@ -223,6 +228,7 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
                     parallel,
                     frozen_copy=functools.partial(allocated, reference),
                     reference_table=lambda: torch.zeros(train.micro_batch_size, 2),  # precompute: no model
+                    frozen_model=lambda settings: allocated(teacher),
                 )
             )
             # Warm-up: DTensor's first run of each op, and AdamW's states, before measuring.
@@ -244,13 +250,22 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
         attention=attention_backend if masked_attention(config, shape, model_config) else "sdpa",
         accumulation=accumulation,
         loss_impl=config.parallel.loss_impl,
-        objective=f"dpo (reference={config.dpo.reference})" if config.data.preference else "sft",
+        objective=objective_name(config),
         step=step,
         layers=layers,
         tied=bool(model_config.tie_word_embeddings),
         census=params_census,
         seconds=time.perf_counter() - start,
     )
+
+
+def objective_name(config: Config) -> str:
+    """What the plan's step optimizes: `sft`, `dpo (reference=MODE)` or `distill (teacher=NAME)`."""
+    if config.data.preference:
+        return f"dpo (reference={config.dpo.reference})"
+    if config.data.completions:
+        return f"distill (teacher={config.distill.teacher})"
+    return "sft"
 
 
 @dataclass
