@@ -24,9 +24,13 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, GenerationConfig, PreTrainedTokenizerBase
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
-from dtrain.attention import ATTENTION, CONFIG_KEYS
 from dtrain.checkpoint import COMPLETE, is_complete, saved_config
 from dtrain.config import Config, ConfigError, MeshShape
 from dtrain.distributed import build_parallel, init_distributed, shutdown
@@ -36,6 +40,7 @@ from dtrain.model import (
     hf_state_dict,
     load_model_config,
     materialize,
+    plain_config,
     tokenizer_source,
 )
 from dtrain.parallel import fused, lora, vocab
@@ -101,13 +106,7 @@ def write_model(
     dcp.save(state, storage_writer=writer)
     if dist.get_rank() == 0:
         shutil.rmtree(partial / "sharded", ignore_errors=True)
-        config = model.config.__class__.from_dict(model.config.to_dict())
-        config.use_cache = True  # dtrain turns the KV cache off for training only
-        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
-        config.dtype = DTYPES[dtype]
-        config.save_pretrained(partial)
-        _drop_attention_override(partial / "config.json")
-        _generation_config(model).save_pretrained(partial)
+        save_config(model.config, partial, DTYPES[dtype])
         tokenizer.save_pretrained(partial)
         publish(partial, out)
         log.info(f"exported a Hugging Face model to {out} ({dtype})")
@@ -121,20 +120,19 @@ def publish(partial: Path, out: Path) -> None:
     partial.rename(out)
 
 
-def _drop_attention_override(config_json: Path) -> None:
-    """dtrain's attention and its settings exist only inside dtrain: exported models use the defaults."""
-    config = json.loads(config_json.read_text())
-    for key in CONFIG_KEYS:
-        config.pop(key, None)
-    if config.get("_attn_implementation") == ATTENTION or config.get("attn_implementation") == ATTENTION:
-        config.pop("_attn_implementation", None)
-        config.pop("attn_implementation", None)
-    config_json.write_text(json.dumps(config, indent=2) + "\n")
+def save_config(model_config: PretrainedConfig, folder: Path, dtype: torch.dtype) -> None:
+    """config.json and generation_config.json of a Hugging Face folder of the model: the plain
+    transformers architecture (model.plain_config), its class named, weights in `dtype`."""
+    config = plain_config(model_config)
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    _generation_config(model_config).save_pretrained(folder)
 
 
-def _generation_config(model: nn.Module) -> GenerationConfig:
+def _generation_config(model_config: PretrainedConfig) -> GenerationConfig:
     try:
-        return GenerationConfig.from_model_config(model.config)
+        return GenerationConfig.from_model_config(model_config)
     except Exception:  # a config without generation fields still exports
         return GenerationConfig()
 

@@ -186,6 +186,19 @@ def build_meta_model(
     return model
 
 
+def plain_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of a dtrain model's config as transformers builds the model outside dtrain (an export,
+    a generator): transformers' own attention and experts code (the private implementation choices
+    are not copied) without dtrain's attention settings, and the KV cache on (build_meta_model turns
+    it off for training)."""
+    values = config.to_dict()
+    for key in attention.CONFIG_KEYS:
+        values.pop(key, None)
+    plain = type(config).from_dict(values)
+    plain.use_cache = True
+    return plain
+
+
 def materialize(
     model: nn.Module,
     device: torch.device,

@@ -3,16 +3,19 @@
 Formats: `prompt_response` (one user turn, one assistant turn, optional system), `messages` (a list
 of {role, content}; loss on every assistant turn), `text` (loss on every token), `preference`
 (dtrain.dpo's pairs: a prompt and its chosen and rejected completions, tokenized as TRL's DPOTrainer
-tokenizes them; `Preference` below), and `prompt_completion` (dtrain.distill's: a prompt and its
-completion, tokenized as TRL's GKDTrainer and DistillationTrainer do; `PromptCompletion` below).
-The chat formats go through the tokenizer's chat template: the assistant tokens come from the template's
-`{% generation %}` markers when it has them; otherwise from rendering each prompt alone, which must
-be a token-level prefix of the full rendering (raises if not: templates and BPE merges at the seam
-make a string-level prefix mis-mask). Adding a format is adding a class and its FORMATS entry here.
+tokenizes them; `Preference` below), `prompt` (dtrain.grpo's prompts alone, tokenized as TRL's
+GRPOTrainer tokenizes them; `PromptOnly` below) and `prompt_completion` (dtrain.distill's: a prompt
+and its completion, tokenized as TRL's GKDTrainer and DistillationTrainer do; `PromptCompletion`
+below). The chat formats go through the tokenizer's chat template: the assistant tokens come from
+the template's `{% generation %}` markers when it has them; otherwise from rendering each prompt
+alone, which must be a token-level prefix of the full rendering (raises if not: templates and BPE
+merges at the seam make a string-level prefix mis-mask). Adding a format is adding a class and its
+FORMATS entry here.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, NamedTuple
 
@@ -43,6 +46,13 @@ PAIR_FEATURES = datasets.Features(
 )
 COMPLETION_FEATURES = datasets.Features(
     {"prompt_ids": _IDS, "completion_ids": _IDS, "length": datasets.Value("int32")}
+    | {"status": datasets.Value("string")}
+)
+
+# dtrain.grpo's prompts: the prompt's ids and the whole record as JSON (its other columns reach the
+# reward functions).
+PROMPT_FEATURES = datasets.Features(
+    {"prompt_ids": _IDS, "record": datasets.Value("string"), "length": datasets.Value("int32")}
     | {"status": datasets.Value("string")}
 )
 
@@ -371,6 +381,38 @@ def common_prefix_length(ids: list[int], other: list[int]) -> int:
     return length
 
 
+class PromptOnly(Format):
+    """A prompt alone (dtrain.grpo), TRL's prompt-only format: `input_key` holds a string or a list of
+    {role, content}; every other column of the record goes with it to the reward functions (the
+    `record` column keeps them as JSON: {"prompt": ..., "columns": {...}}). Tokenized as TRL 1.16's
+    GRPOTrainer does: a string by the tokenizer with its special tokens (`add_special_tokens=True`),
+    messages by the chat template with the generation prompt. Never truncated (TRL has no prompt
+    length limit): dtrain.grpo refuses a prompt that leaves no room for grpo.max_completion_length in
+    data.max_len (dtrain/data/prompts.py)."""
+
+    name = "prompt"
+    keys = ("input_key",)
+    features = PROMPT_FEATURES
+
+    def example(self, record: dict[str, Any], where: str, settings: Settings) -> dict[str, Any]:
+        column, tokenizer = settings.source.input_key, settings.tokenizer
+        prompt = record.get(column)
+        if prompt is None:
+            raise ConfigError(f"{where}: key {column!r} is missing or null")
+        if isinstance(prompt, str):
+            ids = list(tokenizer(text=prompt)["input_ids"])
+        else:
+            messages = checked_messages(prompt, column, where)
+            ids = chat_ids(tokenizer, messages, where, generation_prompt=True)
+        columns = {key: value for key, value in record.items() if key != column}
+        return {
+            "prompt_ids": ids,
+            "record": json.dumps({"prompt": prompt, "columns": columns}, ensure_ascii=False, default=str),
+            "length": len(ids),
+            "status": OK if ids else EMPTY,
+        }
+
+
 class PromptCompletion(Format):
     """A prompt and its completion (dtrain.distill), tokenized as TRL 1.16 does: `prompt_ids`, and the
     `completion_ids` the loss scores (empty for a record with a prompt only: on-policy steps sample
@@ -453,7 +495,8 @@ class PromptCompletion(Format):
 
 # data.format's choices, by name.
 FORMATS: dict[str, Format] = {
-    fmt.name: fmt for fmt in (PromptResponse(), Messages(), Text(), Preference(), PromptCompletion())
+    fmt.name: fmt
+    for fmt in (PromptResponse(), Messages(), Text(), Preference(), PromptOnly(), PromptCompletion())
 }
 
 

@@ -24,6 +24,7 @@ from dtrain.data.formats import FORMATS, KEPT, TRUNCATED, pad_id, tokenize_examp
 from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
 from dtrain.data.packing import efficiency, one_per_row, pack
 from dtrain.data.pairs import Pairs
+from dtrain.data.prompts import Prompts
 from dtrain.data.sources import load_split
 
 log = logging.getLogger("dtrain")
@@ -48,7 +49,10 @@ def build_data(
 ) -> SFTData:
     train_examples, eval_examples = once_per_machine(lambda: prepare(data, tokenizer, train.seed))
     rows = to_rows(train_examples, data, tokenizer)
-    if isinstance(rows, Pairs):  # packed per micro-batch: the fill is known as each one is built
+    if isinstance(rows, Prompts):  # completions come later (dtrain.grpo), packed per micro-batch
+        fill = 0.0
+        log.info(f"data: {len(rows)} training prompts, {train.global_batch_size} a generation")
+    elif isinstance(rows, Pairs):  # packed per micro-batch: the fill is known as each one is built
         fill = efficiency(column(train_examples, "length"), [[]] * (2 * len(rows)), data.max_len)
         log.info(
             f"data: {len(rows)} training pairs, two sequences each of at most {data.max_len} tokens "
@@ -87,7 +91,9 @@ def build_data(
 
 def to_rows(
     examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase
-) -> Rows | Pairs | Completions:
+) -> Rows | Pairs | Prompts | Completions:
+    if all(source.format == "prompt" for source in data.sources()):  # dtrain.grpo's prompts
+        return Prompts(examples)
     if data.preference:  # pairs, packed per micro-batch (dtrain/data/pairs.py)
         return Pairs(examples, data.max_len, pad_id(tokenizer), data.packing)
     if data.completions:  # prompts with completions, packed per micro-batch (dtrain/data/completions.py)

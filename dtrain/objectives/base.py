@@ -36,7 +36,7 @@ from typing import Any
 import datasets
 import torch
 
-from dtrain.config import Config, ModelConfig, MoeConfig
+from dtrain.config import Config, ModelConfig, MoeConfig, TrainConfig
 from dtrain.data.formats import FORMATS
 from dtrain.distributed import Parallel
 from dtrain.loss import LossSettings, loss_context
@@ -165,6 +165,12 @@ def nothing_resolved(config: Config, resolved: dict[str, Any]) -> None:
     """An objective that resolves no value of its own before launch."""
 
 
+def rows_per_rank(config: Config, dp_rank: int, dp_size: int) -> tuple[TrainConfig, int, int]:
+    """The data stream of an objective that trains on its rows: train.global_batch_size rows a step,
+    each dp rank its share."""
+    return config.train, dp_rank, dp_size
+
+
 @dataclass(frozen=True)
 class ObjectiveSpec:
     """An objective, declared: what the runner (dtrain/runner.py) needs to run it from its entry point."""
@@ -182,6 +188,9 @@ class ObjectiveSpec:
     check_models: Callable[[Config, Any, bool], None] = no_model_checks
     # what config.yaml records of the values its checks resolved (e.g. dpo.reference=auto)
     record_resolved: Callable[[Config, dict[str, Any]], None] = nothing_resolved
+    # how a run reads its data stream: (a TrainConfig whose batch sizes count the stream's rows, this
+    # rank's dp rank and the dp size of the reading); dtrain.grpo reads whole generations of prompts
+    stream: Callable[[Config, int, int], tuple[TrainConfig, int, int]] = rows_per_rank
 
     @property
     def formats(self) -> tuple[str, ...]:

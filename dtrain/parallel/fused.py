@@ -74,11 +74,8 @@ def fuse(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
     parts = getattr(model, FUSED_ATTR, {})
     if not parts:
         return state
-    groups: dict[str, list[str]] = {}
-    for name, (fused, _) in sorted(parts.items(), key=lambda item: item[1]):
-        groups.setdefault(fused, []).append(name)
     out = {name: tensor for name, tensor in state.items() if name not in parts}
-    for fused, names in groups.items():
+    for fused, names in groups(model).items():
         first = state[names[0]]
         full = torch.cat([_full(state[name]) for name in names])
         if isinstance(first, DTensor):
@@ -92,6 +89,14 @@ def fuse(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
             )
         out[fused] = full
     return out
+
+
+def groups(model: nn.Module) -> dict[str, list[str]]:
+    """{HF's fused parameter name: its parts' parameter names in HF's row order} ({} unsplit)."""
+    found: dict[str, list[str]] = {}
+    for name, (fused, _) in sorted(getattr(model, FUSED_ATTR, {}).items(), key=lambda item: item[1]):
+        found.setdefault(fused, []).append(name)
+    return found
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
