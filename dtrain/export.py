@@ -24,12 +24,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
-from transformers import (
-    MODEL_FOR_CAUSAL_LM_MAPPING,
-    GenerationConfig,
-    PretrainedConfig,
-    PreTrainedTokenizerBase,
-)
+from transformers import PreTrainedTokenizerBase
 
 from dtrain.checkpoint import COMPLETE, is_complete, saved_config
 from dtrain.config import Config, ConfigError, MeshShape
@@ -40,7 +35,7 @@ from dtrain.model import (
     hf_state_dict,
     load_model_config,
     materialize,
-    plain_config,
+    save_config,
     tokenizer_source,
 )
 from dtrain.parallel import fused, lora, vocab
@@ -118,23 +113,6 @@ def publish(partial: Path, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     partial.rename(out)
-
-
-def save_config(model_config: PretrainedConfig, folder: Path, dtype: torch.dtype) -> None:
-    """config.json and generation_config.json of a Hugging Face folder of the model: the plain
-    transformers architecture (model.plain_config), its class named, weights in `dtype`."""
-    config = plain_config(model_config)
-    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
-    config.dtype = dtype
-    config.save_pretrained(folder)
-    _generation_config(model_config).save_pretrained(folder)
-
-
-def _generation_config(model_config: PretrainedConfig) -> GenerationConfig:
-    try:
-        return GenerationConfig.from_model_config(model_config)
-    except Exception:  # a config without generation fields still exports
-        return GenerationConfig()
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str, merged: bool = False) -> None:

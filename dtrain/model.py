@@ -15,7 +15,13 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+)
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
 
@@ -197,6 +203,23 @@ def plain_config(config: PretrainedConfig) -> PretrainedConfig:
     plain = type(config).from_dict(values)
     plain.use_cache = True
     return plain
+
+
+def save_config(model_config: PretrainedConfig, folder: Path, dtype: torch.dtype) -> None:
+    """config.json and generation_config.json of a Hugging Face folder of the model: the plain
+    transformers architecture (plain_config), its class named, weights in `dtype`."""
+    config = plain_config(model_config)
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    _generation_config(model_config).save_pretrained(folder)
+
+
+def _generation_config(model_config: PretrainedConfig) -> GenerationConfig:
+    try:
+        return GenerationConfig.from_model_config(model_config)
+    except Exception:  # a config without generation fields still exports
+        return GenerationConfig()
 
 
 def materialize(

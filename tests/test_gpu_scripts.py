@@ -1,8 +1,9 @@
 """The GPU scripts run in CI: `bench/gpu_all.sh --dry-run` goes through every step of the device run
 (bench/gpu_estimate_check.py's plan and real step, a 1-process `torchrun -m dtrain.sft` in bf16,
 its LoRA, QLoRA and dtrain.dpo LoRA runs, the mixture-of-experts run, bench/gpu_check.py's
-variants) on the CPU with tiny shapes, over the same code as on CUDA, so the first lent GPU is not
-spent on an ImportError or a bad flag. No figure here is a GPU figure."""
+variants, bench/gpu_rollout_check.py's comparisons of log-probs over a stand-in for vLLM) on the
+CPU with tiny shapes, over the same code as on CUDA, so the first lent GPU is not spent on an
+ImportError or a bad flag. No figure here is a GPU figure."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def test_gpu_all_dry_run_runs_every_check(tmp_path):
         "cuda_tests": "none",
         "moe": "ok",
         "gpu_check": "ok",
+        "rollout": "ok",
     }
     assert rows == expected, rows
 
@@ -53,6 +55,10 @@ def test_gpu_all_dry_run_runs_every_check(tmp_path):
     assert read_metrics(out / "qlora")[-1]["step"] == 2  # QLoRA's (10 on the GPU: 70B-shaped layers)
     dpo = read_metrics(out / "dpo")  # the DPO LoRA row's (10 on the GPU: Llama-3-8B)
     assert dpo[-1]["step"] == 2 and "rewards/accuracies" in dpo[-1]
+
+    rollout = json.loads((out / "rollout.json").read_text())  # the stand-in's figures, not vLLM's
+    assert rollout["failed"] == [] and rollout["synced"]["tokens"] > 0, rollout
+    assert rollout["stale"]["vllm_vs_trainer"]["max"] > rollout["stale"]["tolerance"], rollout
 
     check = json.loads((out / "gpu_check.json").read_text())
     assert check["failed"] == [], check["failed"]

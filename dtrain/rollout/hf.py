@@ -69,13 +69,8 @@ class HFEngine:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.sampling, self.seed, self.eos, self.dtype, self.device = (
-            sampling,
-            seed,
-            list(eos_token_ids),
-            dtype,
-            device,
-        )
+        self.sampling, self.seed, self.eos = sampling, seed, list(eos_token_ids)
+        self.dtype, self.device = dtype, device
         self.generator = build_generator(model_config, dtype, device)
         self.config = generation_config(sampling, self.eos, pad_token_id)
         self.generator.generation_config = self.config

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.core_model_loading import revert_weight_conversion
 
 from dtrain.config import ConfigError, RolloutConfig, SamplingConfig
-from dtrain.model import plain_config
+from dtrain.model import plain_config, save_config
 from dtrain.rollout import Completion, Prompt
 from dtrain.rollout.sampling import completion_seed, cut
 from dtrain.rollout.weights import hf_weights
@@ -97,8 +98,6 @@ def meta_reference(model_config: PretrainedConfig) -> nn.Module:
 
 def write_model_folder(model_config: PretrainedConfig, folder: Path, dtype: torch.dtype) -> None:
     """Collective. The folder vLLM builds from: the policy's config.json, written by rank 0."""
-    from dtrain.export import save_config
-
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
         save_config(model_config, folder, dtype)
@@ -220,16 +219,28 @@ class VLLMEngine:
         return cut(ids, self.eos, logprobs)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def build_llm(
     settings: RolloutConfig, folder: Path, dtype: torch.dtype, max_model_len: int
 ) -> tuple[Any, Callable[..., Any]]:
     """`vllm.LLM` colocated on this rank as TRL 1.16 builds it (and `vllm.SamplingParams`)."""
     import vllm
 
-    rank = dist.get_rank()
-    for key, value in (("RANK", rank), ("LOCAL_RANK", rank % torch.cuda.device_count())):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # vLLM's external launcher reads torchrun's variables; a one-process `python` run has none
+    for key, value in (
+        ("RANK", rank),
+        ("LOCAL_RANK", rank % torch.cuda.device_count()),
+        ("WORLD_SIZE", world),
+    ):
         os.environ.setdefault(key, str(value))
-    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    if "MASTER_ADDR" not in os.environ and world == 1:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
     size = settings.vllm_tensor_parallel_size
     llm = vllm.LLM(
         model=str(folder),

@@ -41,8 +41,9 @@ def whole(param: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def hf_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective. (HF name, whole tensor in `dtype`) of each of the model's weights, in the model's
-    order (the module docstring says how each is made). A yielded tensor may share storage with the
-    parameter: copy it, and do not keep it past the next one."""
+    order (the module docstring says how each is made): the optimizer's sharded parameters (FSDP's
+    state_dict swaps a root still gathered after a forward back to them). A yielded tensor may share
+    storage with the parameter: copy it, and do not keep it past the next one."""
     adapted = lora.adapter_modules(model)
     padded = set(vocab.padded_params(model))
     fused_groups = fused.groups(model)
