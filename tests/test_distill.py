@@ -11,6 +11,13 @@ what TRL does not have, against the divergence written out on Hugging Face model
   accumulation (sequence parallel), cp 2 × tp 2 on packed rows, and a LoRA student (TRL with PEFT,
   from dtrain's initial adapters); the teacher is wider and deeper than the student in every run.
   The tokens are GKD's own, token for token.
+- On-policy training (distill.on_policy=1) against DistillationTrainer with its sampling replaced by
+  fixed completions (rollout.engine=file replays the same texts: their tokens + EOS, cut to
+  max_completion_length without it): every step's loss, grad norm, completion-token count and the
+  student's entropy, on 1×1 (beta 0, 0.5, 1), tp 2 × dp 2 with accumulation and cp 2 × tp 2 packed.
+- Sampled steps (distill.on_policy=0.5, rollout.engine=hf): which steps sample is the seeded draw, and
+  the run's curve is the same on 1×1 and tp 2 × dp 2 (dtrain against dtrain: TRL draws its mixture
+  per micro-batch from Python's RNG and samples with its own, so no TRL run can give these steps).
 - distill.sft_weight: step 1 against the divergence + NLL computed by hand through `from_pretrained`.
 - A QLoRA student runs with its NF4 base (CPU fp32: that it runs and the NF4 path is taken).
 - Bad inputs: one line, exit 2.
@@ -60,14 +67,24 @@ WIDE = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_atte
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("distill")
-    records = [ref.as_messages(prompt, response) for prompt, response in pairs(STEPS * GLOBAL_BATCH)]
-    path = root / "records.jsonl"
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    couples = pairs(STEPS * GLOBAL_BATCH)
+    records = [ref.as_messages(prompt, response) for prompt, response in couples]
+    on_policy = [ref.as_prompt(prompt, response) for prompt, response in couples]
+    files = {
+        "path": records,
+        "prompts": [{"prompt": record["prompt"]} for record in on_policy],
+        "rollouts": [
+            {"prompt": record["prompt"], "completions": [record["completion"]]} for record in on_policy
+        ],
+    }
+    for name, lines in files.items():
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return {
         "student": save_llama(root / "student", seed=0),
         "teacher": save_llama(root / "teacher", seed=1, num_key_value_heads=2, initializer_range=0.2, **WIDE),
         "records": records,
-        "path": path,
+        "on_policy": on_policy,
+        **{name: root / f"{name}.jsonl" for name in files},
     }
 
 
@@ -75,7 +92,8 @@ def inputs(tmp_path_factory):
 def runs(inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("distill_runs")
     args = ["--out", str(out), "--student", str(inputs["student"]), "--teacher", str(inputs["teacher"])]
-    args += ["--records", str(inputs["path"])]
+    args += ["--records", str(inputs["path"]), "--prompts", str(inputs["prompts"])]
+    args += ["--rollouts", str(inputs["rollouts"])]
     # while developing: DTRAIN_DISTILL_ONLY=1x1_b0.5,tp2_dp2_b0.5 runs only those (the other tests fail)
     args += ["--only", os.environ.get("DTRAIN_DISTILL_ONLY", "")]
     for nproc in (1, 4):
@@ -264,36 +282,40 @@ def test_the_scored_tokens_are_gkds_own(inputs, tmp_path):
         assert [row["completion_ids"] for row in got] == [row["scored"] for row in expected]
 
 
-def gkd_reference(inputs, runs, name: str, cache: Path) -> dict:
-    overrides = {**SCENARIOS[1], **SCENARIOS[4]}[name]
-    lora = None
+ALL = {**SCENARIOS[1], **SCENARIOS[4]}
+
+
+def reference(inputs, runs, name: str, cache: Path) -> dict:
+    """TRL's run of scenario `name`: GKDTrainer on the records (offline), or DistillationTrainer on the
+    prompts with the fixed completions (on-policy); a LoRA student from dtrain's initial adapters."""
+    _, overrides = ALL[name]
+    settings = dict(beta=overrides["distill.beta"], temperature=T)
     if "lora.r" in overrides:
-        lora = ref.Lora(r=overrides["lora.r"], alpha=overrides["lora.alpha"], adapters=runs[name]["adapters"])
-    beta = overrides["distill.beta"]
-    return ref.cached_gkd_run(
-        cache,
-        inputs["student"],
-        inputs["teacher"],
-        inputs["records"],
-        RECIPE,
-        beta=beta,
-        temperature=T,
-        lora=lora,
-    )
+        adapters = runs[name]["adapters"]
+        settings["lora"] = ref.Lora(r=overrides["lora.r"], alpha=overrides["lora.alpha"], adapters=adapters)
+    models = inputs["student"], inputs["teacher"]
+    if overrides.get("distill.on_policy") == 1.0:
+        length = overrides["distill.max_completion_length"]
+        return ref.cached_distillation_run(
+            cache, *models, inputs["on_policy"], RECIPE, max_completion_length=length, **settings
+        )
+    return ref.cached_gkd_run(cache, *models, inputs["records"], RECIPE, **settings)
 
 
 COMPARED = sorted(
-    name for name, overrides in {**SCENARIOS[1], **SCENARIOS[4]}.items()
+    name for name, (_, overrides) in ALL.items()
     if "distill.sft_weight" not in overrides and overrides.get("lora.base_dtype") != "nf4"
+    and overrides.get("rollout.engine") != "hf"
 )  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", COMPARED)
-def test_every_step_matches_gkd(inputs, runs, tmp_path_factory, name):
-    """Every step's loss, grad norm and scored-token count equal GKDTrainer's (lmbda 0, T 2 in its
-    loss) within the module's error model, on the scenario's mesh and split; TRL's curve moves."""
-    expected = gkd_reference(inputs, runs, name, reference_cache_dir(tmp_path_factory))
+def test_every_step_matches_trl(inputs, runs, tmp_path_factory, name):
+    """Every step's loss, grad norm and scored-token count equal TRL's (GKDTrainer at lmbda 0 with T 2
+    in its loss; DistillationTrainer on the fixed completions, and its logged entropy) within the
+    module's error model, on the scenario's mesh and split; TRL's curve moves."""
+    expected = reference(inputs, runs, name, reference_cache_dir(tmp_path_factory))
     history = runs[name]["history"]
     assert [record["step"] for record in history] == list(range(1, STEPS + 1))
     assert (
@@ -304,6 +326,26 @@ def test_every_step_matches_gkd(inputs, runs, tmp_path_factory, name):
         assert record["tokens"] == expected["tokens"][step], what
         assert_scalar_close(record["loss"], expected["loss"][step], f"{what} loss")
         assert_scalar_close(record["grad_norm"], expected["grad_norm_fp64"][step], f"{what} grad norm")
+        if "entropy" in expected:
+            assert_scalar_close(record["entropy"], expected["entropy"][step], f"{what} entropy")
+
+
+@pytest.mark.slow
+def test_sampled_steps_are_the_seeded_draw_and_the_same_on_every_mesh(runs):
+    """distill.on_policy=0.5 with the hf engine: the steps that sample are on_policy_step's draws from
+    train.seed (at least one of each kind here), and 1×1 and tp 2 × dp 2 with accumulation train the
+    same curve (each example's completion seeded by the seed, the step and its index), sampled steps
+    included. dtrain against dtrain (the module's docstring says why)."""
+    from dtrain.objectives.distill import on_policy_step
+
+    one, four = runs["1x1_sampled"]["history"], runs["tp2_dp2_sampled"]["history"]
+    flags = [record["on_policy"] for record in one]
+    assert flags == [float(on_policy_step(0, step, 0.5)) for step in range(STEPS)] and 0 < sum(flags) < STEPS
+    assert [record["on_policy"] for record in four] == flags
+    for step, (a, b) in enumerate(zip(one, four, strict=True)):
+        assert a["tokens"] == b["tokens"], step
+        assert_scalar_close(b["loss"], a["loss"], f"step {step + 1} loss")
+        assert_scalar_close(b["grad_norm"], a["grad_norm"], f"step {step + 1} grad norm")
 
 
 @pytest.mark.slow
@@ -374,6 +416,10 @@ def test_bad_input_fails_with_one_line_and_exit_code_2(inputs, tmp_path):
             "model type 'gpt2' has no TP plan, so it runs with parallel.tp=1 only",
         ),
         "no_teacher": ([], "distill.teacher: required"),
+        "file_without_path": (
+            [f"distill.teacher={inputs['teacher']}", "distill.on_policy=1", "rollout.engine=file"],
+            "rollout.engine=file: needs rollout.path",
+        ),
     }
     commands = {}
     for name, (overrides, _) in bad.items():
@@ -386,7 +432,7 @@ def test_bad_input_fails_with_one_line_and_exit_code_2(inputs, tmp_path):
             "train.micro_batch_size=1",
             *overrides,
         ]
-    world = {"vocabulary": 1, "no_teacher_folder": 1, "beta": 1, "family_at_tp2": 2, "no_teacher": 1}
+    world = dict.fromkeys(bad, 1) | {"family_at_tp2": 2}
     envs = {name: {"WORLD_SIZE": str(world[name]), "RANK": "0", "LOCAL_RANK": "0"} for name in commands}
     result = run(
         one_interpreter_command(tmp_path / "cli", commands, module="dtrain.distill", envs=envs), timeout=300

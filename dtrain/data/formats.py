@@ -45,8 +45,8 @@ PAIR_FEATURES = datasets.Features(
     | {"status": datasets.Value("string")}
 )
 COMPLETION_FEATURES = datasets.Features(
-    {"prompt_ids": _IDS, "completion_ids": _IDS, "length": datasets.Value("int32")}
-    | {"status": datasets.Value("string")}
+    {"prompt_ids": _IDS, "completion_ids": _IDS, "prompt": datasets.Value("string")}
+    | {"length": datasets.Value("int32"), "status": datasets.Value("string")}
 )
 
 # dtrain.grpo's prompts: the prompt's ids and the whole record as JSON (its other columns reach the
@@ -416,7 +416,8 @@ class PromptOnly(Format):
 class PromptCompletion(Format):
     """A prompt and its completion (dtrain.distill), tokenized as TRL 1.16 does: `prompt_ids`, and the
     `completion_ids` the loss scores (empty for a record with a prompt only: on-policy steps sample
-    its completions).
+    its completions); `prompt`, the prompt as the record gives it (JSON: what a rollout file's lines
+    are matched on).
 
     A record holds a conversation under `messages_key` (GKDTrainer's format: the last message is the
     completion, the ones before it the prompt), or a prompt under `input_key` (a string or a list of
@@ -488,6 +489,7 @@ class PromptCompletion(Format):
         return {
             "prompt_ids": prompt_ids,
             "completion_ids": completion_ids,
+            "prompt": json.dumps(prompt, ensure_ascii=False),
             "length": len(prompt_ids) + len(completion_ids),
             "status": status,
         }

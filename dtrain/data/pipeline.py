@@ -31,7 +31,7 @@ log = logging.getLogger("dtrain")
 
 # Bump when tokenize_example or a format (formats.FORMATS) changes what it writes, so old cache
 # files are not reused.
-TOKENIZE_VERSION = 1
+TOKENIZE_VERSION = 2  # 2: the prompt_completion format (dtrain.distill)
 T = TypeVar("T")
 PREPARE_TIMEOUT_S = 24 * 3600  # how long ranks wait for local rank 0 to tokenize
 

@@ -23,11 +23,13 @@ import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from dtrain.config import Config, ConfigError, DistillationConfig, DistillConfig, ModelConfig, MoeConfig
-from dtrain.data.formats import COMPLETION_FEATURES
+from dtrain.data.completions import Completions
+from dtrain.data.formats import COMPLETION_FEATURES, load_tokenizer
 from dtrain.distributed import Parallel
 from dtrain.fused_divergence import FIGURES, Divergence, FusedDivergence, Logits
 from dtrain.loss import LossSettings, loss_context
-from dtrain.model import has_weights, load_model_config, looks_local
+from dtrain.model import has_weights, load_model_config, looks_local, tokenizer_source
+from dtrain.objectives import distill_sampling as sampling
 from dtrain.objectives.base import Context, HostBatches, Objective, ObjectiveSpec, StepFigures
 from dtrain.parallel.parallelize import TP_PLANS, reshard
 from dtrain.step import final_hidden_states, global_counts, local_micro_batch, model_inputs
@@ -128,12 +130,31 @@ def build(context: Context) -> DistillLoss:
         check_completions(context.data.train.rows.examples, settings.on_policy)
     sampler = None
     if settings.on_policy > 0:
-        raise ConfigError("distill.on_policy > 0: the rollout engines are not merged yet")
+        train = config.train
+        rows = context.data.train.rows if context.data is not None else None
+        if rows is not None:
+            check_room(rows, config.data.max_len, settings.max_completion_length)
+            tokenizer = load_tokenizer(tokenizer_source(config.model))
+            engine = sampling.build_engine(config, context, tokenizer, train.global_batch_size)
+            sampler = sampling.OnPolicy(engine, context.model, rows, context.parallel, train.micro_batch_size)
     teacher = context.frozen_model(teacher_settings(settings))
     loss = LossSettings.of(config.parallel)
     return DistillLoss(
         context.model, context.parallel, loss, config.moe, settings, teacher, config.train.seed, sampler
     )
+
+
+def check_room(rows: Completions, max_len: int, max_completion_length: int) -> None:
+    """On-policy steps append up to max_completion_length sampled tokens to every prompt, which a row
+    must hold (a prompt is never truncated: TRL's)."""
+    lengths = [len(ids) for ids in rows.examples["prompt_ids"][:]]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] + max_completion_length > max_len:
+        raise ConfigError(
+            f"data example {longest}: its prompt of {lengths[longest]} tokens and "
+            f"distill.max_completion_length={max_completion_length} do not fit data.max_len={max_len} (raise "
+            f"data.max_len to at least {lengths[longest] + max_completion_length})"
+        )
 
 
 def check_completions(examples: Any, on_policy: float) -> None:
@@ -176,6 +197,8 @@ def check(config: Config) -> None:
         )
     if settings.max_completion_length < 1:
         raise ConfigError(f"distill.max_completion_length={settings.max_completion_length}: must be >= 1")
+    if settings.on_policy > 0:
+        sampling.check(config)
     if config.parallel.loss_impl in ("dense", "chunked"):
         raise ConfigError(
             f"parallel.loss_impl={config.parallel.loss_impl}: dtrain.distill computes its divergence fused "

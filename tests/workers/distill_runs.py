@@ -1,9 +1,10 @@
 """Launched by tests/test_distill.py by run_worker (1 and 4 processes): every dtrain.distill scenario of
-that world size on one process group, through the real trainer, and at 4 ranks the fused divergence
-alone on tp 2 and 4. Rank 0 saves `<out>/<name>.pt`: a run's logged history (for LoRA the initial
-adapters too, which TRL starts from; for QLoRA whether the base is NF4), or a divergence case's loss,
-figures and gradients (gathered). The pytest side compares them with TRL's trainers and TRL's dense
-divergence.
+that world size on one process group, through the real trainer (offline on the records' completions;
+on-policy with the file engine replaying fixed completions, or the hf engine sampling), and at 4
+ranks the fused divergence alone on tp 2 and 4. Rank 0 saves `<out>/<name>.pt`: a run's logged
+history (for LoRA the initial adapters too, which TRL starts from; the names of the NF4 weights), or a
+divergence case's loss, figures and gradients (gathered). The pytest side compares them with TRL's
+trainers and TRL's dense divergence.
 """
 
 from __future__ import annotations
@@ -40,24 +41,37 @@ BASE |= {"train.max_steps": STEPS, "train.global_batch_size": GLOBAL_BATCH, "tra
 BASE |= {"distill.temperature": T}
 LORA = {"lora.r": 4, "lora.alpha": 8.0}
 BETA = {beta: {"distill.beta": beta} for beta in (0.0, 0.5, 1.0)}
+MAX_COMPLETION = 10  # the fixed completions of 3 to 12 tokens: some cut without their EOS
+ROLLOUTS = "--rollouts"  # the worker's --rollouts file (the fixed completions, a line per record)
+# on-policy every step on the prompts alone, the file engine replaying the fixed completions
+ON_POLICY = {"distill.on_policy": 1.0, "rollout.engine": "file", "rollout.path": ROLLOUTS}
+ON_POLICY |= {"distill.max_completion_length": MAX_COMPLETION}
+# half the steps sampled by the hf engine (seeded per step and example: the same on every mesh)
+SAMPLED = {"distill.on_policy": 0.5, "rollout.engine": "hf", "distill.max_completion_length": 8}
 MESHES = {  # 4 ranks; each with accumulation 2 but dp 4
     "dp4": {"parallel.dp_shard": 4, "train.micro_batch_size": 1},
     "tp2_dp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 1},  # sequence parallel
     "cp2_tp2": {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp_shard": 1, "data.packing": True},
 }
-# name: overrides (the records: the offline ones, GKD's messages)
-SCENARIOS: dict[int, dict[str, dict[str, Any]]] = {
+# name: (data, overrides); data "records" (GKD's messages: prompts with their completions) or "prompts"
+# (the same prompts alone, DistillationTrainer's format)
+SCENARIOS: dict[int, dict[str, tuple[str, dict[str, Any]]]] = {
     1: {
-        **{f"1x1_b{beta:g}": BETA[beta] for beta in BETA},
-        "1x1_packed": {**BETA[0.5], "data.packing": True, "train.micro_batch_size": 4},
-        "1x1_sft": {**BETA[0.5], "distill.sft_weight": 0.5},
-        "1x1_qlora": {**BETA[0.5], **LORA, "lora.base_dtype": "nf4"},
+        **{f"1x1_b{beta:g}": ("records", BETA[beta]) for beta in BETA},
+        "1x1_packed": ("records", {**BETA[0.5], "data.packing": True, "train.micro_batch_size": 4}),
+        "1x1_sft": ("records", {**BETA[0.5], "distill.sft_weight": 0.5}),
+        "1x1_qlora": ("records", {**BETA[0.5], **LORA, "lora.base_dtype": "nf4"}),
+        **{f"1x1_onpolicy_b{beta:g}": ("prompts", {**BETA[beta], **ON_POLICY}) for beta in BETA},
+        "1x1_sampled": ("records", {**BETA[0.5], **SAMPLED}),
     },
     4: {
-        "dp4_b0.5": {**MESHES["dp4"], **BETA[0.5]},
-        **{f"tp2_dp2_b{beta:g}": {**MESHES["tp2_dp2"], **BETA[beta]} for beta in BETA},
-        "cp2_tp2_b0.5": {**MESHES["cp2_tp2"], **BETA[0.5]},
-        "lora_tp2_dp2_b0.5": {**MESHES["tp2_dp2"], **BETA[0.5], **LORA},
+        "dp4_b0.5": ("records", {**MESHES["dp4"], **BETA[0.5]}),
+        **{f"tp2_dp2_b{beta:g}": ("records", {**MESHES["tp2_dp2"], **BETA[beta]}) for beta in BETA},
+        "cp2_tp2_b0.5": ("records", {**MESHES["cp2_tp2"], **BETA[0.5]}),
+        "lora_tp2_dp2_b0.5": ("records", {**MESHES["tp2_dp2"], **BETA[0.5], **LORA}),
+        "tp2_dp2_onpolicy_b0.5": ("prompts", {**MESHES["tp2_dp2"], **BETA[0.5], **ON_POLICY}),
+        "cp2_tp2_onpolicy_b1": ("prompts", {**MESHES["cp2_tp2"], **BETA[1.0], **ON_POLICY}),
+        "tp2_dp2_sampled": ("records", {**MESHES["tp2_dp2"], **BETA[0.5], **SAMPLED}),
     },
 }
 
@@ -78,8 +92,10 @@ def run(config: DistillationConfig, out: Path, device: torch.device) -> Any:
     return train(config, shape, model_config, device, out, resolved={})
 
 
-def scenario(name: str, overrides: dict, args: argparse.Namespace, device: torch.device) -> dict:
-    config = distill_config(args.student, args.teacher, args.records, overrides)
+def scenario(name: str, spec: tuple, args: argparse.Namespace, device: torch.device) -> dict:
+    data, overrides = spec
+    overrides = {key: str(args.rollouts) if value == ROLLOUTS else value for key, value in overrides.items()}
+    config = distill_config(args.student, args.teacher, getattr(args, data), overrides)
     saved: dict[str, Any] = {}
     if "lora.r" in overrides and "lora.base_dtype" not in overrides:  # TRL starts from dtrain's initial A
         saved["adapters"] = peft_tensors(sharded_model(config, device))
@@ -171,7 +187,7 @@ def divergence_cases(wanted: set[str]) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    for name in ("student", "teacher", "records"):
+    for name in ("student", "teacher", "records", "prompts", "rollouts"):
         parser.add_argument(f"--{name}", type=Path, required=True)
     parser.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
     args = parser.parse_args()
@@ -179,8 +195,8 @@ def main() -> None:
     logging.getLogger("dtrain").setLevel(logging.WARNING)
     wanted = set(filter(None, args.only.split(",")))
     results = {
-        name: scenario(name, overrides, args, device)
-        for name, overrides in SCENARIOS[dist.get_world_size()].items()
+        name: scenario(name, spec, args, device)
+        for name, spec in SCENARIOS[dist.get_world_size()].items()
         if not wanted or name in wanted
     }
     if dist.get_world_size() == 4:
