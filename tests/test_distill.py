@@ -62,6 +62,7 @@ from tests.workers.distill_runs import (
 
 RECIPE = ref.Recipe(steps=STEPS, batch=GLOBAL_BATCH, lr=LR)
 WIDE = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=6)
+VOCAB_OF_THE_PAIR = 1024  # tests/test_distill_reference.py's save_llama
 
 
 @pytest.fixture(scope="module")
@@ -444,3 +445,68 @@ def test_bad_input_fails_with_one_line_and_exit_code_2(inputs, tmp_path):
         errors = [line for line in outcome["stderr"].splitlines() if line.startswith("dtrain: error:")]
         assert outcome["returncode"] == 2, (name, outcome["stderr"][-2000:])
         assert len(errors) == 1 and message in errors[0], (name, errors)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The planner
+
+
+@pytest.mark.slow  # a plan on fake tensors
+def test_the_planner_counts_the_teacher(inputs):
+    """dtrain.estimate on the tiny pair (4 ranks, FSDP, bf16 as on GPUs): the frozen model it counts is
+    the teacher's parameters (Hugging Face's own count of its folder's model) in bf16 over the 4 ranks
+    (every dimension divides), beside the student's state; the step's peak includes it; the divergence's
+    temporaries are probed, at most five fp32 chunks of logits, and no logits are materialized."""
+    from dtrain.estimate.app import compose
+    from dtrain.estimate.planner import plan
+
+    overrides = [
+        f"model.name_or_path={inputs['student']}",
+        f"distill.teacher={inputs['teacher']}",
+        f"data.path={inputs['path']}",
+        "data.format=prompt_completion",
+        f"data.max_len={MAX_LEN}",
+        "estimate.world_size=4",
+        "parallel.tp=1",
+        "parallel.loss_chunk=8",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+    ]
+    result = plan(compose(overrides), 4)
+    teacher = AutoModelForCausalLM.from_pretrained(inputs["teacher"])
+    assert result.objective == f"distill (teacher={inputs['teacher']})"
+    assert result.step.reference == teacher.num_parameters() * 2 // 4
+    assert result.step.peak > result.step.reference + result.step.params
+    chunk_bytes = 2 * 8 * VOCAB_OF_THE_PAIR * 4  # micro batch × loss_chunk rows, fp32
+    assert chunk_bytes < result.step.loss_temporaries <= 5 * chunk_bytes, (
+        result.step.loss_temporaries / chunk_bytes
+    )
+    assert result.step.logits == 0
+
+
+@pytest.mark.slow  # the bench's processes
+def test_bench_prints_the_distillation_rows():
+    """Smoke (no figure asserted: the bench prints them, docs/distill.md): `python -m dtrain.bench`'s
+    distillation table has TRL's GKDTrainer and dtrain.distill 1×1 unpacked and packed, each scoring
+    fewer tokens than it reads (the prompts), and the divergence's memory its four rows."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    command = [sys.executable, "-m", "dtrain.bench", "--seq", "16", "--steps", "1", "--warmup", "1"]
+    command += ["--rounds", "1", "--meshes", "", "--hf-trainer", "0", "--lora-r", "0", "--moe", "0"]
+    command += ["--dpo", "0", "--distill-records", "4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    rows = {
+        line[:36].strip(): line[36:].split() for line in lines if line.startswith(("TRL", "dtrain.distill"))
+    }
+    assert list(rows) == ["TRL GKDTrainer (lmbda 0)", "dtrain.distill 1x1", "dtrain.distill 1x1 packed"], (
+        lines
+    )
+    for name, (_, rate, scored, *_) in rows.items():
+        assert 0 < float(scored) < float(rate), name
+    memory = [line for line in lines if line.startswith(("  TRL", "  dtrain fused divergence"))]
+    assert len(memory) == 4, result.stdout
