@@ -22,6 +22,7 @@ import argparse
 import json
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -220,7 +221,9 @@ def divergence_memory(tokens: int = 2 * 2048, chunk: int = 256) -> list[tuple[st
         hidden, head, teacher_hidden, teacher_head = inputs = tensors(vocab, tokens)
 
         def dense() -> None:
-            from trl.experimental.gkd import GKDTrainer
+            with warnings.catch_warnings():  # TRL's note that experimental APIs may change
+                warnings.simplefilter("ignore")
+                from trl.experimental.gkd import GKDTrainer
 
             logits = hidden @ head.T
             teacher_logits = teacher_hidden @ teacher_head.T

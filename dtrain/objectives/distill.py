@@ -97,10 +97,14 @@ class DistillLoss(Objective):
             loss, sums = self.divergence(
                 hidden, head.weight, teacher_hidden, teacher_head.weight, micro_batch["labels"]
             )
+            # The divergence is done with the teacher (its gradients are computed in its forward): free
+            # its hidden states, and its root (embedding and head), which FSDP keeps gathered after a
+            # forward without backward, before the student's backward.
+            del teacher_hidden, teacher_head
+            reshard(self.teacher)
             total = loss / self.tokens
             aux = self.router.aux_term() if self.router is not None else None
             (total if aux is None else total + aux).backward()
-        reshard(self.teacher)  # its root (the head) stays gathered after a forward without backward
         self.sums += sums
 
     def reduce(self) -> StepFigures:
