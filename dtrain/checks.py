@@ -159,7 +159,9 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
             f"train.micro_batch_size={train.micro_batch_size} × dp={shape.dp} (= {per_step})"
         )
     check_data(data, train, files=files)
-    check_objective(config, objective_of(config))
+    objective = objective_of(config)
+    check_objective(config, objective)
+    objective.check_models(config, model_config, files)
     check_sequence_split(data.max_len, shape, parallel.sequence_parallel)
     if config.checkpoint.every < 0:
         raise ConfigError(f"checkpoint.every={config.checkpoint.every}: must be >= 0 (0: final save only)")

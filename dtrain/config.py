@@ -22,8 +22,9 @@ class ConfigError(ValueError):
 # What makes two configs the same run (its folder's name, dtrain.hydra_glue.run_name, and the check
 # that a folder holds this run, dtrain.checkpoint.other_run_in): resuming may change the mesh, the
 # step count, logging and checkpointing. LoRA is part of it: an adapter run is not a full fine-tune;
-# so are DPO's and GRPO's losses, and where GRPO's completions come from (rollout.engine, rollout.path).
-RUN_IDENTITY = ("model", "data", "optim", "lora", "dpo", "grpo", "rollout.engine", "rollout.path")
+# so are DPO's, GRPO's and distillation's losses, and where GRPO's completions come from (rollout.engine,
+# rollout.path).
+RUN_IDENTITY = ("model", "data", "optim", "lora", "dpo", "grpo", "distill", "rollout.engine", "rollout.path")
 RUN_IDENTITY += ("train.seed", "train.global_batch_size")
 
 
@@ -59,16 +60,18 @@ class SourceConfig:
     """How a record reads: `prompt_response` (one user turn, one assistant turn, optional system),
     `messages` (a list of {role, content}; loss on every assistant turn), `text` (loss on every
     token), `preference` (dtrain.dpo: a prompt, a chosen and a rejected completion, TRL's formats), or
-    `prompt` (dtrain.grpo: a prompt alone, TRL's prompt-only format): the names in `FORMATS`,
-    dtrain/data/formats.py."""
+    `prompt` (dtrain.grpo: a prompt alone, TRL's prompt-only format), or `prompt_completion`
+    (dtrain.distill: a prompt and its completion, or a conversation whose last message is the
+    completion): the names in `FORMATS`, dtrain/data/formats.py."""
     input_key: str = "prompt"
-    """`prompt_response`, `preference` and `prompt`: the record key of the prompt."""
+    """`prompt_response`, `preference`, `prompt` and `prompt_completion`: the record key of the prompt."""
     output_key: str = "response"
-    """`prompt_response`: the record key of the response."""
+    """`prompt_response` and `prompt_completion`: the record key of the response (the completion)."""
     system_key: str | None = None
     """`prompt_response`: the record key of an optional system prompt."""
     messages_key: str = "messages"
-    """`messages`: the record key of the list of {role, content}."""
+    """`messages` (and `prompt_completion`, whose records may hold a conversation under it): the record
+    key of the list of {role, content}."""
     text_key: str = "text"
     """`text`: the record key of the text."""
     chosen_key: str = "chosen"
@@ -132,6 +135,11 @@ class DataConfig(SourceConfig):
         """Whether the data are preference pairs (data.format=preference, dtrain.dpo's; never mixed
         with other formats: dtrain/checks.py)."""
         return all(source.format == "preference" for source in self.sources())
+
+    @property
+    def completions(self) -> bool:
+        """Whether the data are prompts with completions (data.format=prompt_completion, dtrain.distill's)."""
+        return all(source.format == "prompt_completion" for source in self.sources())
 
     def sources(self) -> list[Source]:
         """The datasets to read: data.*'s own source, or each data.mix entry merged onto data.*'s
@@ -409,6 +417,32 @@ class SamplingConfig:
 
 
 @dataclass
+class DistillConfig(SamplingConfig):
+    """dtrain.distill's loss and its on-policy sampling, named after TRL 1.16's DistillationTrainer and
+    GKDTrainer (docs/distill.md); the sampling keys are dtrain.grpo's (SamplingConfig)."""
+
+    teacher: str | None = None
+    """The teacher: a Hugging Face folder or hub id of the same vocabulary (config.json's vocab_size)
+    and tokenizer as the student; required. Built like the student (its TP plan, the compute dtype,
+    FSDP-sharded), frozen."""
+    beta: float = 0.5
+    """TRL's `beta`: 0 the forward KL(teacher ‖ student), 1 the reverse KL(student ‖ teacher), in
+    between the generalized JSD β·KL(t ‖ m) + (1 − β)·KL(s ‖ m), m = (1 − β)·p_s + β·p_t."""
+    temperature: float = 1.0
+    """Both models' logits are divided by it in the divergence (after a family's logit scale and
+    softcap), and on-policy completions are sampled at it (TRL's DistillationTrainer); no T²."""
+    sft_weight: float = 0.0
+    """loss = divergence + sft_weight × the student's NLL of the data's completions (at T = 1), a mean
+    over the step's scored tokens; on-policy steps (no data completions) add nothing; 0: none."""
+    on_policy: float = 0.0
+    """The fraction of optimizer steps whose completions the student samples (GKD's `lmbda`), drawn
+    per step from train.seed (the same on every mesh): 0 = offline on the data's completions (TRL's
+    GKDTrainer at lmbda=0), 1 = every step (TRL's DistillationTrainer)."""
+    num_generations: int = 1
+    """Completions sampled per prompt on an on-policy step: 1 (TRL's DistillationTrainer)."""
+
+
+@dataclass
 class RolloutConfig:
     """Where an online objective's completions come from (dtrain/rollout/)."""
 
@@ -549,6 +583,17 @@ class GRPORunConfig(Config):
 
 
 @dataclass
+class DistillationConfig(Config):
+    """dtrain.distill's schema: a training config plus the `distill` group and the rollout engine of its
+    on-policy steps."""
+
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """The teacher and the divergence (docs/distill.md)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Where on-policy completions come from (dtrain/rollout/)."""
+
+
+@dataclass
 class EstimateConfig:
     """`python -m dtrain.estimate` only (dtrain.sft and dtrain.dpo reject these keys)."""
 
@@ -567,14 +612,16 @@ class EstimateConfig:
 
 @dataclass
 class PlanConfig(PreferenceConfig):
-    """The estimator's schema: a training config (dtrain.sft's, dtrain.dpo's or dtrain.grpo's:
-    preference data plans a DPO step, prompts a GRPO step) plus the `estimate` group."""
+    """The estimator's schema: a training config (dtrain.sft's, dtrain.dpo's, dtrain.grpo's or
+    dtrain.distill's: preference data plans a DPO step, prompts a GRPO step, prompt_completion data a
+    distillation step with its teacher) plus the `estimate` group."""
 
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """dtrain.grpo's group (data.format=prompt plans a GRPO step)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """dtrain.grpo's rollout engine (what the planner counts for the generator)."""
-
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """dtrain.distill's group, planned with prompt_completion data (docs/distill.md)."""
     estimate: EstimateConfig = field(default_factory=EstimateConfig)
     """The planner's own settings (docs/estimate.md)."""
 

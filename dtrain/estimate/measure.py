@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dtrain.fused_divergence import FusedDivergence
 from dtrain.fused_loss import FusedLinearCrossEntropy
 from dtrain.model import canonical_name
 from dtrain.objectives import Objective
@@ -28,6 +29,7 @@ from dtrain.parallel.parallelize import reshard
 from dtrain.step import optimizer_step
 
 _R, _S = _FSDPRefType, _FSDPModState  # the tracker's categories and module states
+FUSED_LOSSES = (FusedLinearCrossEntropy, FusedDivergence)  # the losses whose temporaries are probed
 TOTAL = "Total"
 
 # How the report groups the tracker's categories at the peak (every category in exactly one group).
@@ -224,8 +226,9 @@ def _func_nesting_unreported() -> Iterator[None]:
 class _LossProbe:
     """The temporaries of each fused-loss forward: the tracker's peak within it minus the memory in
     use after it (what stays is the saved gradients). FSDPMemTracker follows FSDP modules only, so
-    module hooks on FusedLinearCrossEntropy restart the tracker's peak (private: _peak_mem,
-    _peak_mem_snap) at the loss's start and put back the step's peak when that was higher."""
+    module hooks on FUSED_LOSSES (the fused cross-entropy; dtrain.distill's divergence) restart the
+    tracker's peak (private: _peak_mem, _peak_mem_snap) at the loss's start and put back the step's
+    peak when that was higher."""
 
     def __init__(self, tracker: FSDPMemTracker) -> None:
         self.tracker, self.transients = tracker, []
@@ -238,12 +241,12 @@ class _LossProbe:
         return {dev: snap[TOTAL] for dev, snap in self.tracker._curr_mem_snap.items()}
 
     def _before(self, module: nn.Module, args: object) -> None:
-        if isinstance(module, FusedLinearCrossEntropy):
+        if isinstance(module, FUSED_LOSSES):
             self.saved = dict(self.tracker._peak_mem), dict(self.tracker._peak_mem_snap)
             self.tracker._peak_mem = self._current()
 
     def _after(self, module: nn.Module, args: object, output: object) -> None:
-        if not isinstance(module, FusedLinearCrossEntropy):
+        if not isinstance(module, FUSED_LOSSES):
             return
         tracker, (peak, snap) = self.tracker, self.saved
         self.transients.append(sum(tracker._peak_mem.values()) - sum(self._current().values()))

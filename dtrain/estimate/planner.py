@@ -58,7 +58,7 @@ class Plan:
     attention: str  # the attention kernel planned: flex (CUDA's, for packed rows, windows, cp) or sdpa
     accumulation: int  # micro-batches per optimizer step
     loss_impl: str  # parallel.loss_impl as planned (auto resolved by check_config)
-    objective: str  # `sft`, dtrain.dpo's `dpo (reference=MODE)`, dtrain.grpo's `grpo (...)`
+    objective: str  # `sft`, `dpo (reference=MODE)`, `grpo (...)`, `distill (teacher=NAME)`
     step: StepMemory
     # embedding / lm_head / experts (all layers): bytes on this rank and in all; experts also the
     # bytes a layer computes with on this rank (_computed_expert_bytes)
@@ -212,6 +212,13 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
             reference = build_frozen_model(
                 eager, parallel, None, folder, model_config, None, attention_backend, offline=True
             )
+        # dtrain.distill: its teacher, built as the trainer builds it (allocated below)
+        teacher = None
+        if config.data.completions:
+            folder = config.distill.teacher
+            teacher = build_frozen_model(
+                eager, parallel, None, folder, model_config, None, attention_backend, offline=True
+            )
         # The meta parameters become fake ones on to_empty: allow_non_fake_inputs lets that happen.
         with FakeTensorMode(allow_non_fake_inputs=True), dtensor_meta_in_own_fake_mode():
             allocated(model).train()
@@ -235,7 +242,7 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
                     eager,
                     model,
                     parallel,
-                    frozen=lambda folder: allocated(reference),
+                    frozen=lambda folder: allocated(teacher if teacher is not None else reference),
                     reference_table=lambda: torch.zeros(train.micro_batch_size, 2),  # precompute: no model
                 )
             )
@@ -272,7 +279,11 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
 def objective_label(config: Config, online: bool) -> str:
     if online:
         return f"grpo (reference: {grpo_reference(config)}, rollout.engine={config.rollout.engine})"
-    return f"dpo (reference={config.dpo.reference})" if config.data.preference else "sft"
+    if config.data.preference:
+        return f"dpo (reference={config.dpo.reference})"
+    if config.data.completions:
+        return f"distill (teacher={config.distill.teacher})"
+    return "sft"
 
 
 def grpo_reference(config: Config) -> str:

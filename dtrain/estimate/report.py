@@ -18,7 +18,7 @@ AT_PEAK_LABELS = {
     "unsharded_params": "unsharded (all-gathered) parameters",
     "activations": "activations (+ inputs)",
     "temporaries": "temporaries (backward, reduce-scatter)",
-    "reference": "frozen reference model (dpo.reference=live)",
+    "reference": "frozen model (reference or teacher)",
     "generator": "dtrain.grpo's generator (counted)",
 }
 
@@ -156,7 +156,7 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         row("  sharded parameters + buffers", step.params),
         row("  sharded gradients", step.grads),
         row("  AdamW state", step.optimizer),
-        *([row("  frozen reference model", step.reference)] if step.reference else []),
+        *([row("  " + AT_PEAK_LABELS["reference"], step.reference)] if step.reference else []),
         *([row("generator held through the step (counted)", step.generator)] if step.generator else []),
         *([row("while training, the generator held", step.train_peak)] if step.generation_peak else []),
         *([row("while sampling (counted)", step.generation_peak)] if step.generation_peak else []),

@@ -166,6 +166,10 @@ def no_checks(config: Config) -> None:
     """An objective without checks of its own."""
 
 
+def no_model_checks(config: Config, model_config: Any, files: bool = True) -> None:
+    """An objective without checks of the models it builds besides the policy."""
+
+
 def nothing_resolved(config: Config, resolved: dict[str, Any]) -> None:
     """An objective that resolves no value of its own before launch."""
 
@@ -188,6 +192,9 @@ class ObjectiveSpec:
     features: datasets.Features
     build: Callable[[Context], Objective]  # its loss, for a run or a plan
     check: Callable[[Config], None] = no_checks  # its own group's checks, before launch (ConfigError)
+    # its checks that need the policy's architecture (config, model_config, files: False when planning,
+    # which reads no data and no weights), e.g. a teacher's vocabulary against the student's
+    check_models: Callable[[Config, Any, bool], None] = no_model_checks
     # what config.yaml records of the values its checks resolved (e.g. dpo.reference=auto)
     record_resolved: Callable[[Config, dict[str, Any]], None] = nothing_resolved
     # how a run reads its data stream: (a TrainConfig whose batch sizes count the stream's rows, this
