@@ -39,6 +39,11 @@
 #      model with its adapters bypassed, 32 shipped pairs a micro-batch packed into rows of 1024; its
 #      metrics.jsonl gives tokens/s, MFU, peak memory and the rewards. The dry run trains the
 #      embedded DPO default with lora.r=16 for 2 steps instead.
+#    - grpo: a `torchrun --nproc_per_node=1 -m dtrain.grpo` of the embedded default (issue 49: the tiny
+#      Llama on the shipped prompts, tp=1, bf16) for 10 steps, its rollouts by vLLM colocated
+#      (rollout.engine=vllm) where vLLM imports, else by transformers' generate on the GPU (hf): the
+#      engine is in its log and config.yaml; metrics.jsonl gives the time split (rollout, sync,
+#      train), tokens generated per second and the mean reward. The dry run: hf, 2 steps.
 #    - rollout: bench/gpu_rollout_check.py (issue 49), the `vllm` rollout engine: `pip install
 #      dtrain[vllm]` first (T_VLLM_INSTALL; torch and transformers pinned to the installed ones, so
 #      it installs a vLLM that fits them or nothing), then a small Llama synced into the real
@@ -50,8 +55,8 @@
 # 3. A short table: each check's status, seconds and figures file ($OUT/summary.txt too).
 #
 # Exit status: 0 when every check passed (a "no-vllm" row included), 1 otherwise. Per-check limits
-# (seconds) come from T_ESTIMATE, T_SFT, T_LORA, T_QLORA, T_DPO, T_TESTS, T_MOE, T_GPU_CHECK,
-# T_VLLM_INSTALL and T_ROLLOUT; on the GPU the first eight sum to 9.5 minutes, under one device
+# (seconds) come from T_ESTIMATE, T_SFT, T_LORA, T_QLORA, T_DPO, T_GRPO, T_TESTS, T_MOE, T_GPU_CHECK,
+# T_VLLM_INSTALL and T_ROLLOUT; on the GPU the first nine sum to 10.25 minutes (most end far sooner), one device
 # command (a check cut at its limit is marked, and the others still run). Without a package index the
 # rollout row ends within seconds; where vLLM installs, it needs up to T_VLLM_INSTALL + T_ROLLOUT
 # (5 minutes) more: then run it as its own command, `GPU_CHECKS=rollout bench/gpu_all.sh`
@@ -107,10 +112,12 @@ main() {
     DRY_FLAG=(--dry-run)
     SFT_STEPS=2
     : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_LORA:=300}" "${T_QLORA:=300}" "${T_DPO:=300}" "${T_TESTS:=300}"
+    : "${T_GRPO:=300}"
     : "${T_MOE:=300}" "${T_GPU_CHECK:=300}" "${T_ROLLOUT:=300}"
     LORA_RUN=(lora.r=16 train.max_steps=2 parallel.tp=1 train.precision=bf16)
     QLORA_RUN=(lora.r=16 lora.base_dtype=nf4 train.max_steps=2 parallel.tp=1 train.precision=bf16)
     DPO_RUN=(lora.r=16 train.max_steps=2 parallel.tp=1 train.precision=bf16)
+    GRPO_RUN=(rollout.engine=hf train.max_steps=2 parallel.tp=1 train.precision=bf16)
     MOE_PROCS=2
     MOE_SHAPE=(model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft data.max_samples=64 data.max_len=64 train.max_steps=2
       train.global_batch_size=4 +model.config.vocab_size=1024 +model.config.hidden_size=64
@@ -142,6 +149,9 @@ main() {
     DPO_RUN=(+experiment=llama3_8b_dpo_lora model.init=random model.tokenizer=dtrain/assets/tiny_llama
       data=tiny_dpo data.packing=true data.max_len=1024 train.max_steps=10 train.global_batch_size=64
       train.micro_batch_size=32)
+    GRPO_ENGINE=hf
+    "$PYTHON" -c 'import vllm' >/dev/null 2>&1 && GRPO_ENGINE=vllm
+    GRPO_RUN=("rollout.engine=$GRPO_ENGINE" train.max_steps=10 train.log_every=1 parallel.tp=1 train.precision=bf16)
   fi
   # the architecture dtrain ships (a local folder: nothing is downloaded), random init
   MOE_RUN=(+experiment=qwen3_moe_30b_a3b_ep8 model.name_or_path=dtrain/assets/architectures/Qwen/Qwen3-30B-A3B
@@ -166,6 +176,10 @@ main() {
   check dpo "${T_DPO:-60}" "$OUT/dpo/metrics.jsonl" \
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.dpo \
     "${DPO_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/dpo"
+
+  check grpo "${T_GRPO:-45}" "$OUT/grpo/metrics.jsonl" \
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.grpo \
+    "${GRPO_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/grpo"
 
   CUDA_ONLY='skipif(not torch.cuda.is_available(), reason="needs a GPU")'
   mapfile -t CUDA_TESTS < <(grep -lF "$CUDA_ONLY" tests/test_*.py 2>/dev/null)

@@ -24,7 +24,7 @@ from dtrain.config import (
 from dtrain.data.formats import FORMATS
 from dtrain.objectives import check_objective, objective_of
 from dtrain.parallel import experts, lora
-from dtrain.parallel.parallelize import TP_PLANS, decoder_layers
+from dtrain.parallel.parallelize import TP_PLANS, check_tp_divides, check_tp_support, decoder_layers
 
 SWEEP_ON_FAILURE = ("continue", "stop")
 PRECISIONS = ("bf16", "fp32")
@@ -159,7 +159,9 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
             f"train.micro_batch_size={train.micro_batch_size} × dp={shape.dp} (= {per_step})"
         )
     check_data(data, train, files=files)
-    check_objective(config, objective_of(config))
+    objective = objective_of(config)
+    check_objective(config, objective)
+    objective.check_models(config, model_config, files)
     check_sequence_split(data.max_len, shape, parallel.sequence_parallel)
     if config.checkpoint.every < 0:
         raise ConfigError(f"checkpoint.every={config.checkpoint.every}: must be >= 0 (0: final save only)")
@@ -186,15 +188,6 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
     return shape
 
 
-def check_tp_divides(model_config: Any, tp: int, model: str = "model") -> None:
-    """The heads and the MLP width split over tp (vocab_size need not: the embedding and lm_head are
-    padded, dtrain.parallel.vocab). `model`: how the message names the model."""
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(model_config, key, None)
-        if value is not None and value % tp:
-            raise ConfigError(f"{model} {key}={value} is not divisible by parallel.tp={tp}")
-
-
 def check_sequence_split(max_len: int, shape: MeshShape, sequence_parallel: bool) -> None:
     """Context parallel cuts each row into 2·cp equal chunks (rank i keeps chunks i and 2·cp-1-i, so
     causal work is even); sequence parallel then splits a rank's part over tp."""
@@ -213,16 +206,6 @@ def check_sequence_split(max_len: int, shape: MeshShape, sequence_parallel: bool
 
 def check_format(key: str, name: str) -> None:
     _one_of(key, name, tuple(FORMATS))
-
-
-def check_tp_support(model_type: str, tp: int, model: str = "model") -> None:
-    """A family without a TP plan trains FSDP-only (tp=1); at tp > 1 it is refused before launch.
-    `model`: how the message names the model."""
-    if tp > 1 and model_type not in TP_PLANS:
-        raise ConfigError(
-            f"{model} type {model_type!r} has no TP plan, so it runs with parallel.tp=1 only (FSDP); "
-            f"parallel.tp={tp} needs one of: {', '.join(TP_PLANS)}"
-        )
 
 
 def check_compile(model_config: Any, shape: MeshShape, parallel: ParallelConfig) -> None:

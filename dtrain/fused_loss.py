@@ -213,6 +213,32 @@ class _FusedTokenLogProbs(torch.autograd.Function):
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
 
 
+@torch.no_grad()
+def fused_token_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, vocab_size: int
+) -> torch.Tensor:
+    """The entropy of softmax(lm_head(hidden)) at each position whose label is not IGNORE, [batch, seq]
+    fp32 like fused_token_logps (0 elsewhere), without the full logits and without gradients (a
+    metric: dtrain.grpo's `entropy`): per chunk the head matmul, the row max all-reduced over tp, then
+    Σ e and Σ e·(logit − max) (e = exp(logit − max)) in one all-reduce; entropy = log Σ e − Σ e·(logit −
+    max) / Σ e."""
+    layout = head_layout(hidden, weight, vocab_size)
+    local_hidden = hidden.to_local() if isinstance(hidden, DTensor) else hidden
+    local_weight = weight.to_local() if isinstance(weight, DTensor) else weight
+    head, local_len = local_weight[: layout.real_rows], local_hidden.shape[1]
+    entropy = torch.zeros(labels.shape, dtype=torch.float32, device=local_hidden.device)
+    for start in range(0, local_len, chunk):
+        stop = min(start + chunk, local_len)
+        targets = chunk_targets(labels, layout, local_len, start, stop)
+        shifted = _mm_fp32(_chunk_rows(local_hidden, start, stop, layout), head.T)
+        shifted.sub_(_all_reduce(shifted.amax(1), "max", layout).unsqueeze(1))
+        exp = shifted.exp()
+        sums, weighted = _all_reduce(torch.stack([exp.sum(1), (exp * shifted).sum(1)]), "sum", layout)
+        values = torch.where(targets != IGNORE, sums.log() - weighted / sums, 0.0)
+        _chunk_view(entropy, layout, local_len, start, stop).copy_(_chunk_shape(values, labels, layout))
+    return entropy
+
+
 def _chunk_rows(hidden: torch.Tensor, start: int, stop: int, layout: Layout) -> torch.Tensor:
     """The chunk's hidden rows, flattened; under sequence parallel every tp rank's, rank-major."""
     rows = hidden[:, start:stop].reshape(-1, hidden.shape[2])

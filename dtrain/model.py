@@ -26,11 +26,10 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
 
 from dtrain import attention
-from dtrain.checks import check_tp_divides, check_tp_support
 from dtrain.config import Config, ConfigError, LoraConfig, ModelConfig
 from dtrain.distributed import Parallel
 from dtrain.parallel import experts, fused, lora, phi3, qlora, vocab
-from dtrain.parallel.parallelize import parallelize
+from dtrain.parallel.parallelize import check_tp_divides, check_tp_support, parallelize
 
 # Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
 ARCHITECTURES = Path(__file__).parent / "assets" / "architectures"
@@ -162,7 +161,8 @@ def build_frozen_model(
     policy is (build_model): with `folder` None, the starting policy (model.*'s weights, LoRA's starting
     adapters included; `policy` its architecture, `vocab_rows` its vocabulary rows); else the Hugging
     Face model folder (or hub id) `folder`, its own architecture and weights, no adapters (dtrain.dpo's
-    dpo.ref_model, a distillation teacher). `offline`: a hub id's shipped architecture (the planner)."""
+    dpo.ref_model, dtrain.distill's teacher), its vocabulary padded to the policy's `vocab_rows` so both
+    heads split it alike over tp. `offline`: a hub id's shipped architecture (the planner)."""
     if folder is None:
         assert policy is not None
         return build_model(policy, config, parallel, device, vocab_rows, attention_backend, frozen=True)
@@ -170,7 +170,7 @@ def build_frozen_model(
     own = dataclasses.replace(config, model=settings, lora=LoraConfig())
     architecture = load_model_config(settings, offline=offline)
     check_other_model(folder, architecture, policy, parallel.tp_size)
-    return build_model(architecture, own, parallel, device, None, attention_backend, frozen=True)
+    return build_model(architecture, own, parallel, device, vocab_rows, attention_backend, frozen=True)
 
 
 def check_other_model(

@@ -24,7 +24,7 @@ from dtrain.export import export_hf, export_merged
 from dtrain.faults import Faults
 from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_flops
 from dtrain.model import build_frozen_model, build_model, has_weights, tokenizer_source
-from dtrain.objectives import Context, Objective, build_objective
+from dtrain.objectives import Context, Objective, build_objective, objective_of
 from dtrain.optim import build_optimizer, build_scheduler, trainable_parameters
 from dtrain.parallel import lora
 from dtrain.parallel.experts import idle_parameters
@@ -97,7 +97,8 @@ def start_run(
     optimizer = build_optimizer(model, config.optim)
     tokenizer_folder = tokenizer_source(config.model)
     tokenizer = load_tokenizer(tokenizer_folder)
-    data = build_data(config.data, config.train, tokenizer, parallel.dp_rank, parallel.dp_size)
+    stream, dp_rank, dp_size = objective_of(config).stream(config, parallel.dp_rank, parallel.dp_size)
+    data = build_data(config.data, stream, tokenizer, dp_rank, dp_size)
     if config.train.epochs is not None:  # the rows are packed now: the run's length is known
         config.train.max_steps = steps_for_epochs(config.train, len(data.train))
     scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)

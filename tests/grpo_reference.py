@@ -2,7 +2,7 @@
 one process, one micro-batch per optimizer step, the prompts in file order) with its sampling
 replaced by FIXED completions, and every step's logged metrics under TRL's names.
 
-What is replaced, and nothing else (docs/grpo_trl_notes.md has TRL's semantics with line numbers):
+What is replaced, and nothing else (docs/grpo.md's appendix has TRL's semantics with line numbers):
 - `GRPOTrainer._generate_single_turn`, the method that samples completion ids (grpo_trainer.py:1763),
   returns the given completions' ids instead. A text becomes ids by TRL's generation rule: what a
   generator emits for it is its tokens then EOS, stopped at `max_completion_length` new tokens, so
@@ -86,7 +86,7 @@ def trl_args(
     """GRPOConfig of the runs dtrain must reproduce: `batch` completions per optimizer step in one
     micro-batch (per_device_train_batch_size; `accumulation` > 1 splits it into that many
     micro-batches, TRL's own multi-micro-batch behaviour, which dtrain does not reproduce where it
-    depends on the split: docs/grpo_trl_notes.md), AdamW (fused, dtrain's), clipping,
+    depends on the split: docs/grpo.md), AdamW (fused, dtrain's), clipping,
     `schedule` after `warmup_steps` (dtrain's defaults), the records in file order, fp32 on the CPU,
     no gradient checkpointing (exact either way, slower). `grpo`: GRPOConfig's own keys (beta,
     loss_type, num_iterations, steps_per_generation, epsilon, epsilon_high, delta,

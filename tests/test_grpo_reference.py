@@ -1,6 +1,6 @@
 """tests/grpo_reference.py is faithful: TRL's GRPOTrainer run there with fixed completions trains on
 exactly the given completions, lined up with the prompts TRL draws, and what it logs is what GRPO's
-definition gives from them, computed here by hand (design.md §3, docs/grpo_trl_notes.md): at one
+definition gives from them, computed here by hand (design.md §3, docs/grpo.md's appendix): at one
 iteration without KL the ratio is 1, so each step's loss is a normaliser applied to the advantages
 alone, which come from the rewards of the given completions. Where the ratio moves (num_iterations=2,
 beta > 0) the curve must move, the reference must be the one TRL documents (the frozen model, the

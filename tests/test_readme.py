@@ -4,7 +4,7 @@ in a shell without the virtual environment (as a new terminal is), after the REA
 set the shell up (SHELL_SETUP: `source .venv/bin/activate`), `python`, `torchrun` and the launch
 scripts as found there. What a 2-core CPU machine without network cannot run as written is changed
 by SUBSTITUTIONS (applied to the block's text, each listed with why), and every run (`dtrain.sft`,
-`dtrain.dpo`, `./launch/local.sh`) gets TINY_RUN (a step count this machine affords) and a run
+`dtrain.dpo`, `dtrain.grpo`, `./launch/local.sh`) gets TINY_RUN (a step count this machine affords) and a run
 folder of its own. Each command must leave what it makes (a run's config and metrics, a sweep's
 jobs, an export, a plot, a plan's table). COVERED_ELSEWHERE names the commands another test already
 runs as typed; the commands that need a cluster (sbatch, kubectl, submitit_slurm) or take long (the
@@ -38,6 +38,7 @@ COVERED_ELSEWHERE = {
     "data.input_key=question parallel.tp=2 lora.r=16 lora.base_dtype=nf4 checkpoint.export_hf=true",
 }
 TINY_RUN = ["train.max_steps=2"]
+TRAINING = ("dtrain.sft", "dtrain.dpo", "dtrain.grpo")  # the entry points that train: TINY_RUN each
 # A resume (docs/checkpoints.md's, from TINY_RUN's final checkpoint) trains 2 steps more: a run whose
 # checkpoint is at train.max_steps has nothing to train (and says so, writing nothing).
 RESUMED_RUN = ["train.max_steps=4"]
@@ -137,7 +138,7 @@ def substituted(command: str, fixtures: dict[str, str]) -> str:
 
 
 def trains(args: list[str]) -> bool:
-    return "dtrain.sft" in args or "dtrain.dpo" in args or args[0].endswith("launch/local.sh")
+    return any(entry in args for entry in TRAINING) or args[0].endswith("launch/local.sh")
 
 
 def as_run_here(command: str, index: int, fixtures: dict[str, str]) -> list[str]:

@@ -19,17 +19,19 @@ from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
 from dtrain.config import ConfigError, DataConfig, Source, TrainConfig
+from dtrain.data.completions import Completions
 from dtrain.data.formats import FORMATS, KEPT, NOTHING_TO_LEARN, TRUNCATED, pad_id, tokenize_example
 from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
 from dtrain.data.packing import efficiency, one_per_row, pack
 from dtrain.data.pairs import Pairs, eval_pair_batches
+from dtrain.data.prompts import Prompts
 from dtrain.data.sources import Places, load_split, places
 
 log = logging.getLogger("dtrain")
 
 # Bump when tokenize_example or a format (formats.FORMATS) changes what it writes, so old cache
 # files are not reused.
-TOKENIZE_VERSION = 2
+TOKENIZE_VERSION = 2  # 2: the prompt_completion format (dtrain.distill)
 T = TypeVar("T")
 PREPARE_TIMEOUT_S = 24 * 3600  # how long ranks wait for local rank 0 to tokenize
 NAMED = 3  # the examples of each kind dropped (or kept with nothing to learn) that the start names
@@ -64,10 +66,20 @@ def build_data(
         lambda: prepare_counted(data, tokenizer, train.seed)
     )
     rows = to_rows(train_examples, data, tokenizer)
-    if isinstance(rows, Pairs):  # packed per micro-batch: the fill is known as each one is built
+    if isinstance(rows, Prompts):  # completions come later (dtrain.grpo), packed per micro-batch
+        fill = 0.0
+        log.info(f"data: {len(rows)} training prompts, {train.global_batch_size} a generation")
+    elif isinstance(rows, Pairs):  # packed per micro-batch: the fill is known as each one is built
         fill = efficiency(column(train_examples, "length"), [[]] * (2 * len(rows)), data.max_len)
         log.info(
             f"data: {len(rows)} training pairs, two sequences each of at most {data.max_len} tokens "
+            f"({'packed per micro-batch' if data.packing else f'one per row: efficiency {fill:.1%}'})"
+        )
+    elif isinstance(rows, Completions):  # likewise, a sequence per example
+        fill = efficiency(column(train_examples, "length"), [[]] * len(rows), data.max_len)
+        log.info(
+            f"data: {len(rows)} training prompts with completions, a sequence each of at most "
+            f"{data.max_len} tokens "
             f"({'packed per micro-batch' if data.packing else f'one per row: efficiency {fill:.1%}'})"
         )
     else:
@@ -95,9 +107,15 @@ def build_data(
     return SFTData(loader, evals, len(train_examples), fill, flagged)
 
 
-def to_rows(examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Rows | Pairs:
+def to_rows(
+    examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase
+) -> Rows | Pairs | Prompts | Completions:
+    if all(source.format == "prompt" for source in data.sources()):  # dtrain.grpo's prompts
+        return Prompts(examples)
     if data.preference:  # pairs, packed per micro-batch (dtrain/data/pairs.py)
         return Pairs(examples, data.max_len, pad_id(tokenizer), data.packing)
+    if data.completions:  # prompts with completions, packed per micro-batch (dtrain/data/completions.py)
+        return Completions(examples, data.max_len, pad_id(tokenizer), data.packing)
     layout = pack(column(examples, "length"), data.max_len) if data.packing else one_per_row(len(examples))
     return Rows(examples, layout, data.max_len, pad_id(tokenizer))
 

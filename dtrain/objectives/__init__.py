@@ -1,13 +1,16 @@
 """The objectives a run can optimize, each declared by an `ObjectiveSpec` in its module here (SFT's
-token loss in sft.py, DPO's pair loss in dpo.py), and how a config finds its own."""
+token loss in sft.py, DPO's pair loss in dpo.py, GRPO's online RL in grpo.py, distillation's divergence
+in distill.py), and how a config finds its own."""
 
 from __future__ import annotations
 
 from dtrain.config import Config, ConfigError
-from dtrain.objectives import dpo, sft
+from dtrain.objectives import distill, dpo, grpo, sft
 from dtrain.objectives.base import Context, Objective, ObjectiveSpec, StepFigures
 
-OBJECTIVES: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (sft.SPEC, dpo.SPEC)}
+OBJECTIVES: dict[str, ObjectiveSpec] = {
+    spec.name: spec for spec in (sft.SPEC, dpo.SPEC, grpo.SPEC, distill.SPEC)
+}
 
 __all__ = ["OBJECTIVES", "Context", "Objective", "ObjectiveSpec", "StepFigures", "build_objective"]
 

@@ -37,7 +37,7 @@ from typing import Any
 import datasets
 import torch
 
-from dtrain.config import Config, MoeConfig
+from dtrain.config import Config, MoeConfig, TrainConfig
 from dtrain.data.formats import FORMATS
 from dtrain.distributed import Parallel
 from dtrain.loss import LossSettings, loss_context
@@ -166,8 +166,18 @@ def no_checks(config: Config) -> None:
     """An objective without checks of its own."""
 
 
+def no_model_checks(config: Config, model_config: Any, files: bool = True) -> None:
+    """An objective without checks of the models it builds besides the policy."""
+
+
 def nothing_resolved(config: Config, resolved: dict[str, Any]) -> None:
     """An objective that resolves no value of its own before launch."""
+
+
+def rows_per_rank(config: Config, dp_rank: int, dp_size: int) -> tuple[TrainConfig, int, int]:
+    """The data stream of an objective that trains on its rows: train.global_batch_size rows a step,
+    each dp rank its share."""
+    return config.train, dp_rank, dp_size
 
 
 @dataclass(frozen=True)
@@ -182,8 +192,14 @@ class ObjectiveSpec:
     features: datasets.Features
     build: Callable[[Context], Objective]  # its loss, for a run or a plan
     check: Callable[[Config], None] = no_checks  # its own group's checks, before launch (ConfigError)
+    # its checks that need the policy's architecture (config, model_config, files: False when planning,
+    # which reads no data and no weights), e.g. a teacher's vocabulary against the student's
+    check_models: Callable[[Config, Any, bool], None] = no_model_checks
     # what config.yaml records of the values its checks resolved (e.g. dpo.reference=auto)
     record_resolved: Callable[[Config, dict[str, Any]], None] = nothing_resolved
+    # how a run reads its data stream: (a TrainConfig whose batch sizes count the stream's rows, this
+    # rank's dp rank and the dp size of the reading); dtrain.grpo reads whole generations of prompts
+    stream: Callable[[Config, int, int], tuple[TrainConfig, int, int]] = rows_per_rank
 
     @property
     def formats(self) -> tuple[str, ...]:
