@@ -39,12 +39,29 @@
 #      model with its adapters bypassed, 32 shipped pairs a micro-batch packed into rows of 1024; its
 #      metrics.jsonl gives tokens/s, MFU, peak memory and the rewards. The dry run trains the
 #      embedded DPO default with lora.r=16 for 2 steps instead.
+#    - grpo: a `torchrun --nproc_per_node=1 -m dtrain.grpo` of the embedded default (issue 49: the tiny
+#      Llama on the shipped prompts, tp=1, bf16) for 10 steps, its rollouts by vLLM colocated
+#      (rollout.engine=vllm) where vLLM imports, else by transformers' generate on the GPU (hf): the
+#      engine is in its log and config.yaml; metrics.jsonl gives the time split (rollout, sync,
+#      train), tokens generated per second and the mean reward. The dry run: hf, 2 steps.
+#    - rollout: bench/gpu_rollout_check.py (issue 49), the `vllm` rollout engine: `pip install
+#      dtrain[vllm]` first (T_VLLM_INSTALL; torch and transformers pinned to the installed ones, so
+#      it installs a vLLM that fits them or nothing), then a small Llama synced into the real
+#      vLLM colocated in sleep mode, vLLM's log-probs of its sampled completions against the
+#      trainer's within bf16's tolerance (the script's docstring), a stale sync caught. Where vLLM
+#      cannot be installed or imported (these machines reach no package index) the row says
+#      "no-vllm", which is not a failure. The dry run: the script's --dry-run (a transformers
+#      stand-in for vllm.LLM on the CPU), no install.
 # 3. A short table: each check's status, seconds and figures file ($OUT/summary.txt too).
 #
-# Exit status: 0 when every check passed, 1 otherwise. Per-check limits (seconds) come from
-# T_ESTIMATE, T_SFT, T_LORA, T_QLORA, T_DPO, T_TESTS, T_MOE and T_GPU_CHECK; on the GPU the defaults
-# sum to 10.25 minutes, under one device command (a check cut at its limit is marked, and the others
-# still run); the dry run allows each 5 minutes (a shared CPU is slow, and it times nothing).
+# Exit status: 0 when every check passed (a "no-vllm" row included), 1 otherwise. Per-check limits
+# (seconds) come from T_ESTIMATE, T_SFT, T_LORA, T_QLORA, T_DPO, T_GRPO, T_TESTS, T_MOE, T_GPU_CHECK,
+# T_VLLM_INSTALL and T_ROLLOUT; on the GPU the first nine sum to 11 minutes (most end far sooner), one device
+# command (a check cut at its limit is marked, and the others still run). Without a package index the
+# rollout row ends within seconds; where vLLM installs, it needs up to T_VLLM_INSTALL + T_ROLLOUT
+# (5 minutes) more: then run it as its own command, `GPU_CHECKS=rollout bench/gpu_all.sh`
+# (GPU_CHECKS: the checks to run, by name, space-separated; default all). The dry run allows each
+# check 5 minutes (a shared CPU is slow, and it times nothing).
 set -uo pipefail
 
 # One function, parsed whole before it runs: editing this file during a run cannot break that run.
@@ -59,20 +76,28 @@ main() {
   ROWS=()
   FAILED=0
 
-  # check NAME SECONDS FIGURES COMMAND...: run COMMAND under `timeout`, output in $OUT/NAME.log
+  # selected NAME: whether GPU_CHECKS (default: every check) names NAME
+  selected() {
+    [ -z "${GPU_CHECKS:-}" ] || [[ " $GPU_CHECKS " == *" $1 "* ]]
+  }
+
+  # check NAME SECONDS FIGURES COMMAND...: run COMMAND under `timeout`, output in $OUT/NAME.log; an
+  # exit status of 3 from the rollout check means vLLM is absent: reported, not a failure
   check() {
     local name="$1" limit="$2" figures="$3"
     shift 3
+    selected "$name" || return 0
     echo "=== $name (limit ${limit}s): $*"
     local start=$SECONDS status
     timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     case $rc in
       0) status="ok" ;;
+      3) [ "$name" = rollout ] && status="no-vllm" || status="FAIL($rc)" ;;
       124 | 137) status="TIMEOUT" ;;
       *) status="FAIL($rc)" ;;
     esac
-    [ "$status" = "ok" ] || FAILED=1
+    [ "$status" = "ok" ] || [ "$status" = "no-vllm" ] || FAILED=1
     tail -n 15 "$OUT/$name.log"
     ROWS+=("$(printf '%-12s %-10s %6ss  %s' "$name" "$status" "$((SECONDS - start))" "$figures")")
   }
@@ -87,10 +112,12 @@ main() {
     DRY_FLAG=(--dry-run)
     SFT_STEPS=2
     : "${T_ESTIMATE:=300}" "${T_SFT:=300}" "${T_LORA:=300}" "${T_QLORA:=300}" "${T_DPO:=300}" "${T_TESTS:=300}"
-    : "${T_MOE:=300}" "${T_GPU_CHECK:=300}"
+    : "${T_GRPO:=300}"
+    : "${T_MOE:=300}" "${T_GPU_CHECK:=300}" "${T_ROLLOUT:=300}"
     LORA_RUN=(lora.r=16 train.max_steps=2 parallel.tp=1 train.precision=bf16)
     QLORA_RUN=(lora.r=16 lora.base_dtype=nf4 train.max_steps=2 parallel.tp=1 train.precision=bf16)
     DPO_RUN=(lora.r=16 train.max_steps=2 parallel.tp=1 train.precision=bf16)
+    GRPO_RUN=(rollout.engine=hf train.max_steps=2 parallel.tp=1 train.precision=bf16)
     MOE_PROCS=2
     MOE_SHAPE=(model.tokenizer=dtrain/assets/tiny_llama data=tiny_sft data.max_samples=64 data.max_len=64 train.max_steps=2
       train.global_batch_size=4 +model.config.vocab_size=1024 +model.config.hidden_size=64
@@ -122,6 +149,9 @@ main() {
     DPO_RUN=(+experiment=llama3_8b_dpo_lora model.init=random model.tokenizer=dtrain/assets/tiny_llama
       data=tiny_dpo data.packing=true data.max_len=1024 train.max_steps=10 train.global_batch_size=64
       train.micro_batch_size=32)
+    GRPO_ENGINE=hf
+    "$PYTHON" -c 'import vllm' >/dev/null 2>&1 && GRPO_ENGINE=vllm
+    GRPO_RUN=("rollout.engine=$GRPO_ENGINE" train.max_steps=10 train.log_every=1 parallel.tp=1 train.precision=bf16)
   fi
   # the architecture dtrain ships (a local folder: nothing is downloaded), random init
   MOE_RUN=(+experiment=qwen3_moe_30b_a3b_ep8 model.name_or_path=dtrain/assets/architectures/Qwen/Qwen3-30B-A3B
@@ -147,9 +177,15 @@ main() {
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.dpo \
     "${DPO_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/dpo"
 
+  check grpo "${T_GRPO:-45}" "$OUT/grpo/metrics.jsonl" \
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 -m dtrain.grpo \
+    "${GRPO_RUN[@]}" checkpoint.save_final=false "hydra.run.dir=$OUT/grpo"
+
   CUDA_ONLY='skipif(not torch.cuda.is_available(), reason="needs a GPU")'
   mapfile -t CUDA_TESTS < <(grep -lF "$CUDA_ONLY" tests/test_*.py 2>/dev/null)
-  if [ "${#CUDA_TESTS[@]}" -gt 0 ]; then
+  if ! selected cuda_tests; then
+    :
+  elif [ "${#CUDA_TESTS[@]}" -gt 0 ]; then
     check cuda_tests "${T_TESTS:-30}" "$OUT/cuda_tests.log" \
       "$PYTHON" -m pytest -p no:cacheprovider -q -rs "${CUDA_TESTS[@]}"
   else
@@ -162,6 +198,18 @@ main() {
 
   check gpu_check "${T_GPU_CHECK:-210}" "$OUT/gpu_check.json" \
     "$PYTHON" bench/gpu_check.py "${DRY_FLAG[@]}" --json "$OUT/gpu_check.json"
+
+  # last: its install may add packages (never another torch or transformers: both pinned)
+  if [ "$DRY" = 0 ] && selected rollout; then
+    "$PYTHON" -c 'import transformers; print(f"transformers=={transformers.__version__}")' >>"$OUT/constraints.txt"
+    echo "=== vllm install (limit ${T_VLLM_INSTALL:-120}s)"
+    timeout --kill-after=10 "${T_VLLM_INSTALL:-120}" "$PYTHON" -m pip install -q --retries 0 --timeout 15 \
+      -e "$ROOT[vllm]" -c "$OUT/constraints.txt" >"$OUT/vllm_install.log" 2>&1 ||
+      echo "gpu_all: vLLM not installed (rc $?; $OUT/vllm_install.log): the rollout row will say so"
+  fi
+  # one process without torchrun, whose launcher would turn the script's exit status 3 into 1
+  check rollout "${T_ROLLOUT:-180}" "$OUT/rollout.json" \
+    "$PYTHON" bench/gpu_rollout_check.py "${DRY_FLAG[@]}" --json "$OUT/rollout.json"
 
   {
     echo "check        status      time  figures"

@@ -33,7 +33,7 @@ from dtrain.estimate.measure import step_inputs, track_step, tracked_micro_batch
 from dtrain.estimate.planner import plan  # noqa: E402
 from dtrain.loss import LossSettings  # noqa: E402
 from dtrain.model import build_model, load_model_config  # noqa: E402
-from dtrain.objective import TokenLoss  # noqa: E402
+from dtrain.objectives.sft import TokenLoss  # noqa: E402
 from dtrain.optim import build_optimizer  # noqa: E402
 from dtrain.step import optimizer_step  # noqa: E402
 

@@ -20,7 +20,7 @@ import pickle
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from dtrain.config import RUN_IDENTITY, CheckpointConfig, ConfigError
+from dtrain.config import RUN_IDENTITY, CheckpointConfig, Config, ConfigError
 from dtrain.faults import Faults
 from dtrain.reliability import agreed_error
 
@@ -215,6 +215,7 @@ def other_run_in(run_dir: Path, directory: Path, resolved: dict[str, Any]) -> st
     """Describe the first sign that run_dir or the checkpoint folder belongs to a different run
     (whose metrics would be appended to, or whose checkpoints resume=auto would load), or None."""
     mine = _identity(resolved)
+    shared = {group.name for group in fields(Config)}  # every entry point's groups
     previous = []
     if (run_dir / "config.yaml").is_file() and (run_dir / "metrics.jsonl").is_file():
         from omegaconf import OmegaConf
@@ -228,6 +229,10 @@ def other_run_in(run_dir: Path, directory: Path, resolved: dict[str, Any]) -> st
             previous.append((newest, saved_config(newest)))
     for source, config in previous:
         theirs = _identity(config)
+        for key in RUN_IDENTITY:  # an objective's own group (dpo) in one alone: another entry point's run
+            if key not in shared and (theirs[key] is None) != (mine[key] is None):
+                has = "has" if mine[key] is None else "has no"
+                return f"{source} is from another entry point's run (it {has} the {key} group)"
         for key in RUN_IDENTITY:
             if theirs[key] != mine[key]:
                 return f"{source} is from a run with a different {key}"
@@ -235,12 +240,19 @@ def other_run_in(run_dir: Path, directory: Path, resolved: dict[str, Any]) -> st
 
 
 def training_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data: Any, progress: Progress
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    data: Any,
+    progress: Progress,
+    objective: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint holds. Model and optimizer states are DTensors keyed by parameter name;
-    frozen parameters (a LoRA run's base) are left out: the model's files hold them."""
+    frozen parameters (a LoRA run's base) are left out: the model's files hold them. `objective`: the
+    objective's own state, if it has one (Objective.state_dict: DPO's TR-DPO reference, GRPO's
+    generation), as `saved_objective` writes it."""
     model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE)
-    return {
+    state = {
         "model": model_state,
         "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict(),
@@ -248,6 +260,41 @@ def training_state(
         "progress": {"step": progress.step, "tokens_seen": progress.tokens_seen},
         "rng": {"cpu": torch.get_rng_state()},
     }
+    return state | ({"objective": saved_objective(objective)} if objective else {})
+
+
+def holds_tensors(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(holds_tensors(v) for v in value.values())
+    return isinstance(value, torch.Tensor)
+
+
+def saved_objective(state: dict[str, Any]) -> dict[str, Any]:
+    """An objective's state as DCP writes it: tensors (DTensors resharded on load, as the model's)
+    as they are, any other value pickled whole (DCP would flatten a Python dict's entries into keys
+    that a load must know in advance; such values are the same on every rank, rank 0's written)."""
+    return {key: value if holds_tensors(value) else pickle.dumps(value) for key, value in state.items()}
+
+
+def load_objective(path: Path, objective: Any) -> None:
+    """The objective's own state (Objective.state_dict, tensors filled in place), if it has one:
+    read after `load`, once the objective is built on the restored run."""
+    fresh = objective.state_dict()
+    if not fresh:
+        return
+    state = saved_objective(fresh)
+    error = None
+    try:
+        dcp.load({"objective": state}, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as caught:
+        cause = root_cause(caught)
+        error = f"{type(cause).__name__}: {str(cause).split('. ')[0]}"
+    error = agreed_error(error)
+    if error:
+        raise UnreadableCheckpoint(path, error)
+    objective.load_state_dict(
+        {key: value if holds_tensors(fresh[key]) else pickle.loads(value) for key, value in state.items()}
+    )
 
 
 def check_compatible(path: Path, model_state: dict[str, Any]) -> None:
@@ -347,6 +394,7 @@ class Checkpointer:
         scheduler: Any,
         data: Any,
         progress: Progress,
+        objective: dict[str, Any] | None = None,
     ) -> None:
         self.wait()
         self.last_save = self.clock()
@@ -358,7 +406,7 @@ class Checkpointer:
                 shutil.rmtree(save.partial)
             save.partial.mkdir(parents=True)
         dist.barrier()
-        state = training_state(model, optimizer, scheduler, data, progress)
+        state = training_state(model, optimizer, scheduler, data, progress, objective)
         save.size = state_bytes(state)
         with self._failures(save):
             if self.async_group is None:

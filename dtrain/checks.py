@@ -11,7 +11,6 @@ import math
 import os
 from typing import Any
 
-from dtrain import dpo_loss
 from dtrain.config import (
     Config,
     ConfigError,
@@ -23,8 +22,9 @@ from dtrain.config import (
     TrainConfig,
 )
 from dtrain.data.formats import FORMATS
+from dtrain.objectives import check_objective, objective_of
 from dtrain.parallel import experts, lora
-from dtrain.parallel.parallelize import TP_PLANS, decoder_layers
+from dtrain.parallel.parallelize import TP_PLANS, check_tp_divides, check_tp_support, decoder_layers
 
 SWEEP_ON_FAILURE = ("continue", "stop")
 PRECISIONS = ("bf16", "fp32")
@@ -38,7 +38,6 @@ OVERLONG = ("truncate", "drop")
 LOSS_IMPLS = ("auto", "dense", "chunked", "fused")
 MODEL_INITS = ("auto", "pretrained", "random")
 AUX_SCOPES = ("micro_step", "global_batch")
-REFERENCES = ("auto", "precompute", "live", "adapters_off")
 # What marks data.path as meant to be local (so a typo is "no such file", not a failed hub lookup).
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 
@@ -160,7 +159,9 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
             f"train.micro_batch_size={train.micro_batch_size} × dp={shape.dp} (= {per_step})"
         )
     check_data(data, train, files=files)
-    check_preference(config)
+    objective = objective_of(config)
+    check_objective(config, objective)
+    objective.check_models(config, model_config, files)
     check_sequence_split(data.max_len, shape, parallel.sequence_parallel)
     if config.checkpoint.every < 0:
         raise ConfigError(f"checkpoint.every={config.checkpoint.every}: must be >= 0 (0: final save only)")
@@ -182,53 +183,8 @@ def check_config(config: Config, world_size: int, model_config: Any, *, files: b
             f"parallel.loss_chunk={parallel.loss_chunk}: must be >= 1 "
             f"with parallel.loss_impl={parallel.loss_impl}"
         )
-    # vocab_size need not divide: the embedding and lm_head are padded (dtrain.parallel.vocab).
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(model_config, key, None)
-        if value is not None and value % shape.tp:
-            raise ConfigError(f"model {key}={value} is not divisible by parallel.tp={shape.tp}")
+    check_tp_divides(model_config, shape.tp)
     return shape
-
-
-def check_preference(config: Config) -> None:
-    """Preference pairs (data.format=preference) train with dtrain.dpo (whose schema has the `dpo`
-    group), never mixed with other formats; dpo.*'s values, and dpo.reference=auto resolved."""
-    kinds = {source.format == "preference" for source in config.data.sources()}
-    if len(kinds) > 1:
-        raise ConfigError("data.mix: preference pairs (format=preference) cannot be mixed with other formats")
-    if kinds != {True}:
-        return
-    settings = getattr(config, "dpo", None)
-    if settings is None:
-        raise ConfigError(
-            "data.format=preference: preference pairs train with dtrain.dpo (torchrun ... -m dtrain.dpo)"
-        )
-    names = [settings.loss_type] if isinstance(settings.loss_type, str) else list(settings.loss_type)
-    if not names:
-        raise ConfigError("dpo.loss_type=[]: name at least one loss")
-    for name in names:
-        _one_of("dpo.loss_type", name, tuple(dpo_loss.LOSSES))
-    if settings.loss_weights is not None and len(settings.loss_weights) != len(names):
-        raise ConfigError(
-            f"dpo.loss_weights={list(settings.loss_weights)}: one weight per dpo.loss_type ({len(names)})"
-        )
-    if not settings.beta > 0:
-        raise ConfigError(f"dpo.beta={settings.beta}: must be > 0")
-    if not 0.0 <= settings.label_smoothing < 0.5:
-        raise ConfigError(f"dpo.label_smoothing={settings.label_smoothing}: must be in [0, 0.5)")
-    if settings.sft_weight < 0:
-        raise ConfigError(f"dpo.sft_weight={settings.sft_weight}: must be >= 0")
-    _one_of("dpo.reference", settings.reference, REFERENCES)
-    adapters = lora.enabled(config.lora)
-    if settings.reference == "adapters_off" and not adapters:
-        raise ConfigError("dpo.reference=adapters_off: needs LoRA adapters (lora.r > 0 or lora.adapter)")
-    if settings.reference == "auto":  # resolved here, so config.yaml says which reference ran
-        fresh = adapters and not config.lora.adapter
-        settings.reference = "adapters_off" if fresh else "precompute"
-    if config.parallel.loss_impl == "chunked":
-        raise ConfigError("parallel.loss_impl=chunked: dtrain.dpo takes dense or fused (auto picks)")
-    if config.train.eval_every:
-        raise ConfigError(f"train.eval_every={config.train.eval_every}: dtrain.dpo has no eval yet (set 0)")
 
 
 def check_sequence_split(max_len: int, shape: MeshShape, sequence_parallel: bool) -> None:
@@ -249,15 +205,6 @@ def check_sequence_split(max_len: int, shape: MeshShape, sequence_parallel: bool
 
 def check_format(key: str, name: str) -> None:
     _one_of(key, name, tuple(FORMATS))
-
-
-def check_tp_support(model_type: str, tp: int) -> None:
-    """A family without a TP plan trains FSDP-only (tp=1); at tp > 1 it is refused before launch."""
-    if tp > 1 and model_type not in TP_PLANS:
-        raise ConfigError(
-            f"model type {model_type!r} has no TP plan, so it trains with parallel.tp=1 only (FSDP); "
-            f"parallel.tp={tp} needs one of: {', '.join(TP_PLANS)}"
-        )
 
 
 def check_expert_parallel(model_config: Any, shape: MeshShape, parallel: ParallelConfig) -> None:

@@ -22,8 +22,10 @@ class ConfigError(ValueError):
 # What makes two configs the same run (its folder's name, dtrain.hydra_glue.run_name, and the check
 # that a folder holds this run, dtrain.checkpoint.other_run_in): resuming may change the mesh, the
 # step count, logging and checkpointing. LoRA is part of it: an adapter run is not a full fine-tune;
-# so is DPO's loss.
-RUN_IDENTITY = ("model", "data", "optim", "lora", "dpo", "train.seed", "train.global_batch_size")
+# so are DPO's, GRPO's and distillation's losses, and where GRPO's completions come from (rollout.engine,
+# rollout.path).
+RUN_IDENTITY = ("model", "data", "optim", "lora", "dpo", "grpo", "distill", "rollout.engine", "rollout.path")
+RUN_IDENTITY += ("train.seed", "train.global_batch_size")
 
 
 @dataclass
@@ -57,16 +59,19 @@ class SourceConfig:
     format: str = "prompt_response"
     """How a record reads: `prompt_response` (one user turn, one assistant turn, optional system),
     `messages` (a list of {role, content}; loss on every assistant turn), `text` (loss on every
-    token), or `preference` (dtrain.dpo: a prompt, a chosen and a rejected completion, TRL's formats):
-    the names in `FORMATS`, dtrain/data/formats.py."""
+    token), `preference` (dtrain.dpo: a prompt, a chosen and a rejected completion, TRL's formats), or
+    `prompt` (dtrain.grpo: a prompt alone, TRL's prompt-only format), or `prompt_completion`
+    (dtrain.distill: a prompt and its completion, or a conversation whose last message is the
+    completion): the names in `FORMATS`, dtrain/data/formats.py."""
     input_key: str = "prompt"
-    """`prompt_response` and `preference`: the record key of the prompt."""
+    """`prompt_response`, `preference`, `prompt` and `prompt_completion`: the record key of the prompt."""
     output_key: str = "response"
-    """`prompt_response`: the record key of the response."""
+    """`prompt_response` and `prompt_completion`: the record key of the response (the completion)."""
     system_key: str | None = None
     """`prompt_response`: the record key of an optional system prompt."""
     messages_key: str = "messages"
-    """`messages`: the record key of the list of {role, content}."""
+    """`messages` (and `prompt_completion`, whose records may hold a conversation under it): the record
+    key of the list of {role, content}."""
     text_key: str = "text"
     """`text`: the record key of the text."""
     chosen_key: str = "chosen"
@@ -130,6 +135,11 @@ class DataConfig(SourceConfig):
         """Whether the data are preference pairs (data.format=preference, dtrain.dpo's; never mixed
         with other formats: dtrain/checks.py)."""
         return all(source.format == "preference" for source in self.sources())
+
+    @property
+    def completions(self) -> bool:
+        """Whether the data are prompts with completions (data.format=prompt_completion, dtrain.distill's)."""
+        return all(source.format == "prompt_completion" for source in self.sources())
 
     def sources(self) -> list[Source]:
         """The datasets to read: data.*'s own source, or each data.mix entry merged onto data.*'s
@@ -334,28 +344,178 @@ class MoeConfig:
 
 @dataclass
 class DPOConfig:
-    """dtrain.dpo's loss, named after TRL's DPOConfig (docs/dpo.md)."""
+    """dtrain.dpo's loss and reference, named and defaulted after TRL 1.16's DPOConfig (docs/dpo.md
+    maps every DPOConfig key)."""
 
     beta: float = 0.1
     """β: the reward of a completion is β · (its log-probability under the policy − under the
-    reference)."""
+    reference); for `ipo` the regularization τ."""
     loss_type: Any = "sigmoid"
-    """`sigmoid` (DPO), `ipo` (length-normalised log-ratios, squared), `hinge`, `robust` (label
-    smoothing as noise), or a list of them, weighted by loss_weights."""
+    """One of TRL's loss types, or a list of them added with loss_weights: `sigmoid` (DPO), `hinge`,
+    `ipo`, `exo_pair`, `nca_pair`, `robust`, `bco_pair`, `sppo_hard`, `aot`, `aot_unpaired`,
+    `apo_zero`, `apo_down`, `discopop`, `sft` (the NLL of the chosen completions: `[sigmoid, sft]` is
+    RPO), `sigmoid_norm` (docs/dpo.md has each formula)."""
     loss_weights: list[float] | None = None
     """One weight per loss_type entry (unset: 1 each)."""
     label_smoothing: float = 0.0
-    """`robust`: the assumed probability that a pair's labels are flipped, in [0, 0.5) (`sigmoid`
-    ignores it, as TRL 1.16 does)."""
+    """ε of `robust` (the probability that a pair's labels are flipped, in [0, 0.5)), `exo_pair` (> 0;
+    the paper suggests 1e-3), `aot` and `aot_unpaired`; the other losses do not use it (TRL 1.16's
+    `sigmoid` ignores it), so it is refused without one of these."""
+    ld_alpha: float | None = None
+    """LD-DPO: a completion's tokens past the length of the pair's shorter completion count this much
+    in its log-probability (policy and reference alike), in [0, 1]; unset: all count 1."""
+    f_divergence_type: str = "reverse_kl"
+    """f-DPO's divergence: `reverse_kl` (DPO's), `forward_kl`, `js_divergence`, `alpha_divergence`;
+    another than reverse_kl only with `sigmoid`, `sigmoid_norm`, `hinge`, `ipo`, `exo_pair`,
+    `robust`, `discopop` and `sft`."""
+    f_alpha_divergence_coef: float = 0.5
+    """α of `alpha_divergence` (refused with another f_divergence_type)."""
+    use_weighting: bool = False
+    """WPO: each pair's loss weighted by exp of its chosen and its rejected completion's mean over
+    tokens of log p(token) − log Σ_v p(v)² under the policy (no gradient through the weight)."""
+    discopop_tau: float = 0.05
+    """τ of `discopop` (refused with another loss type)."""
     reference: str = "auto"
-    """The reference policy's log-probabilities: `precompute` (the policy's before the first step,
-    over every pair once, kept in the run folder: no reference model in memory); `live` (a frozen copy
-    of the starting policy, sharded like it, run beside it each step); `adapters_off` (LoRA: the same
-    model with its adapters bypassed); `auto`: adapters_off for LoRA from fresh adapters, else
-    precompute."""
+    """Where the reference log-probabilities come from: `precompute` (computed before the first step
+    over every pair once and kept in the run folder: no reference model in memory while training);
+    `live` (a frozen reference model, sharded like the policy, run beside it each step); `adapters_off`
+    (LoRA: the policy with its adapters bypassed); `auto`: live with sync_ref_model, adapters_off for
+    LoRA from fresh adapters without ref_model, else precompute."""
+    ref_model: str | None = None
+    """TRL's `ref_model`: the reference is this Hugging Face model folder (or hub id), e.g. an SFT
+    checkpoint while the policy starts elsewhere, built frozen and sharded like the policy (the same
+    vocabulary); unset: the starting policy."""
+    sync_ref_model: bool = False
+    """TR-DPO: every ref_model_sync_steps steps the reference becomes ref_model_mixup_alpha × policy +
+    (1 − ref_model_mixup_alpha) × reference (dpo.reference=live; not with LoRA); saved in checkpoints."""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO's α, in [0, 1] (with sync_ref_model only)."""
+    ref_model_sync_steps: int = 512
+    """TR-DPO's τ: optimizer steps between syncs (with sync_ref_model only)."""
+
+
+@dataclass
+class SamplingConfig:
+    """How an online objective samples its completions: the fields of dtrain.grpo's `grpo` group (and
+    dtrain.distill's on-policy ones), named and defaulted as TRL 1.16's GRPOConfig; the rollout engine
+    (dtrain/rollout/) samples with them."""
+
+    num_generations: int = 8
+    """G: completions sampled per prompt."""
+    max_completion_length: int = 512
+    """Tokens a completion may have; one stopped there without its EOS is truncated."""
+    temperature: float = 1.0
+    """Sampling temperature; the log-probabilities trained on are computed from the logits divided by it."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probabilities sum to at least this."""
+    top_k: int = 0
+    """Sample among the k most probable tokens; 0: all."""
+    min_p: float | None = None
+    """Drop tokens whose probability is below this times the most probable one's; unset: none."""
+    repetition_penalty: float = 1.0
+    """transformers' (and vLLM's) repetition penalty; 1: none."""
+
+
+@dataclass
+class DistillConfig(SamplingConfig):
+    """dtrain.distill's loss and its on-policy sampling, named after TRL 1.16's DistillationTrainer and
+    GKDTrainer (docs/distill.md); the sampling keys are dtrain.grpo's (SamplingConfig)."""
+
+    teacher: str | None = None
+    """The teacher: a Hugging Face folder or hub id of the same vocabulary (config.json's vocab_size)
+    and tokenizer as the student; required. Built like the student (its TP plan, the compute dtype,
+    FSDP-sharded), frozen."""
+    beta: float = 0.5
+    """TRL's `beta`: 0 the forward KL(teacher ‖ student), 1 the reverse KL(student ‖ teacher), in
+    between the generalized JSD β·KL(t ‖ m) + (1 − β)·KL(s ‖ m), m = (1 − β)·p_s + β·p_t."""
+    temperature: float = 1.0
+    """Both models' logits are divided by it in the divergence (after a family's logit scale and
+    softcap), and on-policy completions are sampled at it (TRL's DistillationTrainer); no T²."""
     sft_weight: float = 0.0
-    """RPO: this weight times the NLL of the chosen completions (token mean over the step's chosen
-    tokens) added to the loss (TRL's `sft` loss type); 0: none."""
+    """loss = divergence + sft_weight × the student's NLL of the data's completions (at T = 1), a mean
+    over the step's scored tokens; on-policy steps (no data completions) add nothing; 0: none."""
+    on_policy: float = 0.0
+    """The fraction of optimizer steps whose completions the student samples (GKD's `lmbda`), drawn
+    per step from train.seed (the same on every mesh): 0 = offline on the data's completions (TRL's
+    GKDTrainer at lmbda=0), 1 = every step (TRL's DistillationTrainer)."""
+    num_generations: int = 1
+    """Completions sampled per prompt on an on-policy step: 1 (TRL's DistillationTrainer)."""
+
+
+@dataclass
+class RolloutConfig:
+    """Where an online objective's completions come from (dtrain/rollout/)."""
+
+    engine: str = "hf"
+    """`hf`: transformers' generate on a copy of the policy (CPU and GPU); `vllm`: vLLM colocated with
+    the trainer (GPU, the dtrain[vllm] extra); `file`: completions read from `rollout.path`."""
+    path: str | None = None
+    """`file`: a JSONL of `{"prompt": ..., "completions": [...]}` per prompt, in data order (a run's
+    own `rollouts.jsonl` replays it)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """`vllm`: the fraction of each GPU's memory vLLM takes for its copy of the weights and its KV
+    cache, beside the trainer (TRL's `vllm_gpu_memory_utilization`, colocate mode)."""
+    vllm_enable_sleep_mode: bool = False
+    """`vllm`: put vLLM to sleep between rollouts (its weights and KV cache freed while the trainer
+    steps, the weights pushed again before each rollout), as TRL's `vllm_enable_sleep_mode`."""
+    vllm_tensor_parallel_size: int = 1
+    """`vllm`: GPUs each vLLM copy spans (consecutive ranks; it must divide the world size), as TRL's
+    `vllm_tensor_parallel_size`; each group's ranks sample all of its prompts and keep their own."""
+
+
+@dataclass
+class GRPOConfig(SamplingConfig):
+    """dtrain.grpo's loss and rewards, named and defaulted after TRL 1.16's GRPOConfig (docs/grpo.md):
+    SamplingConfig's keys, then these."""
+
+    beta: float = 0.0
+    """β: the weight of the k3 KL to the reference policy, added per token; 0: no reference model."""
+    num_iterations: int = 1
+    """μ: optimizer passes over each generation's completions."""
+    steps_per_generation: int = 1
+    """Optimizer steps one generation feeds (TRL counts micro-batches: its default, the accumulation
+    steps, is one optimizer step): a generation is train.global_batch_size × this many completions."""
+    epsilon: float = 0.2
+    """The surrogate's clip below: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
+    epsilon_high: float | None = None
+    """The clip above (DAPO's clip-higher); unset: epsilon."""
+    delta: float | None = None
+    """Two-sided clipping: the unclipped ratio is also capped at delta; unset: none."""
+    importance_sampling_level: str = "token"
+    """`token`: a ratio per token; `sequence`: GSPO, one ratio per completion, the exp of its mean
+    token log-ratio."""
+    scale_rewards: str = "group"
+    """Advantages: (reward − group mean) divided by the group's std (`group`), by the whole generation's
+    (`batch`), or not at all (`none`: Dr. GRPO)."""
+    loss_type: str = "dapo"
+    """The normaliser of the summed token losses over the whole optimizer step: `dapo` and `bnpo` (its
+    tokens), `grpo` (each completion's own tokens, then its completions), `dr_grpo` (its completions ×
+    max_completion_length); docs/grpo.md writes them out."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_completion_length out of the loss (they still count in the rewards'
+    statistics)."""
+    use_bias_correction_kl: bool = True
+    """Multiply the k3 KL by the importance ratio (TRL 1.16's default: 1 in value at the first pass over
+    a generation, but it adds the KL times the log-prob's gradient)."""
+    reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
+    """Reward functions: `module:function` (imported as Python imports, from the working directory and
+    PYTHONPATH) with TRL's signature, or a built-in: `accuracy` (math-verify against a `solution`
+    column), `format` (`<think>...</think>` then the answer), `match` (the embedded default's)."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function (unset: 1 each)."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """`sum_then_normalize`: the weighted sum of the functions' rewards, then the advantages;
+    `normalize_then_sum`: each function normalised per group, weighted, summed, normalised again."""
+    vllm_importance_sampling_correction: bool = True
+    """rollout.engine=vllm: weight each completion's policy term by old / sampling probabilities (the
+    generator's log-probs), as TRL."""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    """`sequence_mask` | `sequence_truncate` | `token_mask` | `token_truncate`: per completion or per
+    token; ratios outside [clip_min, clip_max] set to 0 (`*_mask`) or clamped (`*_truncate`)."""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """The correction's upper bound (unset: none)."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """The correction's lower bound (unset: none)."""
 
 
 @dataclass
@@ -412,6 +572,28 @@ class PreferenceConfig(Config):
 
 
 @dataclass
+class GRPORunConfig(Config):
+    """dtrain.grpo's schema: a training config plus the `grpo` and `rollout` groups (batch sizes count
+    completions)."""
+
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """The GRPO family's loss, sampling and rewards (docs/grpo.md)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Where the completions come from (docs/grpo.md, Engines)."""
+
+
+@dataclass
+class DistillationConfig(Config):
+    """dtrain.distill's schema: a training config plus the `distill` group and the rollout engine of its
+    on-policy steps."""
+
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """The teacher and the divergence (docs/distill.md)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Where on-policy completions come from (dtrain/rollout/)."""
+
+
+@dataclass
 class EstimateConfig:
     """`python -m dtrain.estimate` only (dtrain.sft and dtrain.dpo reject these keys)."""
 
@@ -430,9 +612,16 @@ class EstimateConfig:
 
 @dataclass
 class PlanConfig(PreferenceConfig):
-    """The estimator's schema: a training config (dtrain.sft's or dtrain.dpo's: preference data
-    plans a DPO step) plus the `estimate` group."""
+    """The estimator's schema: a training config (dtrain.sft's, dtrain.dpo's, dtrain.grpo's or
+    dtrain.distill's: preference data plans a DPO step, prompts a GRPO step, prompt_completion data a
+    distillation step with its teacher) plus the `estimate` group."""
 
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """dtrain.grpo's group (data.format=prompt plans a GRPO step)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """dtrain.grpo's rollout engine (what the planner counts for the generator)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """dtrain.distill's group, planned with prompt_completion data (docs/distill.md)."""
     estimate: EstimateConfig = field(default_factory=EstimateConfig)
     """The planner's own settings (docs/estimate.md)."""
 

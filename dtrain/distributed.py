@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from dtrain.config import MeshShape
 
@@ -122,6 +123,22 @@ def expert_meshes(world: DeviceMesh, shape: MeshShape) -> dict[str, DeviceMesh]:
         "ep": experts["ep"],
         "ep_tp": experts["ep", "tp"] if shape.tp > 1 else experts["ep"],
     }
+
+
+def gather_whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value on every rank (a plain tensor as it is), gathered one mesh axis at a
+    time from the outermost: the all-gathers `full_tensor()` runs, in the same order. full_tensor()
+    of a parameter that FSDP shards after tp, `(_StridedShard(dim=0), Shard(dim=0))`, cannot merge
+    them and warns on every rank that the results may differ between ranks by reduction order; an
+    all-gather reduces nothing, so they cannot: done one axis a call, there is nothing to merge."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    placements = list(tensor.placements)
+    for axis, placement in enumerate(placements):
+        if not placement.is_replicate():
+            placements[axis] = Replicate()
+            tensor = tensor.redistribute(tensor.device_mesh, placements)
+    return tensor.to_local()
 
 
 def world_size_from_env() -> int:

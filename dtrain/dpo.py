@@ -1,33 +1,25 @@
-"""`torchrun -m dtrain.dpo [+experiment=NAME] [key=value ...]`: preference tuning (DPO), the Hydra
-entry point.
-
-dtrain.sft's machinery (dtrain/sft.py: the run folder named after the command, resume by rerunning
-it, signals, exports, sweeps, W&B, the checks before any process group) with dtrain.dpo's schema,
-`PreferenceConfig` (the training groups plus `dpo`), its config (conf/config_dpo.yaml: the embedded
-preference data) and its embedded default (conf/experiment/embedded_dpo.yaml). The data are
-preference pairs (data.format=preference) and the loop optimizes DPO's pair loss
-(dtrain.objective.PairLoss; docs/dpo.md).
-"""
+"""`torchrun -m dtrain.dpo [+experiment=NAME] [key=value ...]`: preference tuning (DPO), the Hydra entry
+point of dtrain.objectives.dpo (its schema `PreferenceConfig`: the training groups plus `dpo`; its
+config conf/config_dpo.yaml, with the embedded preference pairs; the run itself: dtrain/runner.py).
+docs/dpo.md."""
 
 from __future__ import annotations
 
 import hydra
 from omegaconf import DictConfig
 
-from dtrain import sft
-from dtrain.config import PreferenceConfig
-from dtrain.hydra_glue import CONF, EMBEDDED_DPO, register
-
-register(PreferenceConfig, sft.default_precision)
+from dtrain import runner
+from dtrain.hydra_glue import CONF
+from dtrain.objectives.dpo import SPEC
 
 
-@hydra.main(version_base=None, config_path=str(CONF), config_name="config_dpo")
+@hydra.main(version_base=None, config_path=str(CONF), config_name=SPEC.config_name)
 def hydra_main(cfg: DictConfig) -> None:
-    sft.run_job(cfg, preference=True)
+    runner.run_job(cfg, SPEC)
 
 
 def main() -> None:
-    sft.main(hydra_main, EMBEDDED_DPO, PreferenceConfig)
+    runner.main(hydra_main, SPEC)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,8 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, GenerationConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from dtrain.attention import ATTENTION, CONFIG_KEYS
 from dtrain.checkpoint import COMPLETE, is_complete, saved_config
 from dtrain.config import Config, ConfigError, MeshShape
 from dtrain.distributed import build_parallel, init_distributed, shutdown
@@ -36,6 +35,7 @@ from dtrain.model import (
     hf_state_dict,
     load_model_config,
     materialize,
+    save_config,
     tokenizer_source,
 )
 from dtrain.parallel import fused, lora, vocab
@@ -101,13 +101,7 @@ def write_model(
     dcp.save(state, storage_writer=writer)
     if dist.get_rank() == 0:
         shutil.rmtree(partial / "sharded", ignore_errors=True)
-        config = model.config.__class__.from_dict(model.config.to_dict())
-        config.use_cache = True  # dtrain turns the KV cache off for training only
-        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
-        config.dtype = DTYPES[dtype]
-        config.save_pretrained(partial)
-        _drop_attention_override(partial / "config.json")
-        _generation_config(model).save_pretrained(partial)
+        save_config(model.config, partial, DTYPES[dtype])
         tokenizer.save_pretrained(partial)
         publish(partial, out)
         log.info(f"exported a Hugging Face model to {out} ({dtype})")
@@ -119,24 +113,6 @@ def publish(partial: Path, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     partial.rename(out)
-
-
-def _drop_attention_override(config_json: Path) -> None:
-    """dtrain's attention and its settings exist only inside dtrain: exported models use the defaults."""
-    config = json.loads(config_json.read_text())
-    for key in CONFIG_KEYS:
-        config.pop(key, None)
-    if config.get("_attn_implementation") == ATTENTION or config.get("attn_implementation") == ATTENTION:
-        config.pop("_attn_implementation", None)
-        config.pop("attn_implementation", None)
-    config_json.write_text(json.dumps(config, indent=2) + "\n")
-
-
-def _generation_config(model: nn.Module) -> GenerationConfig:
-    try:
-        return GenerationConfig.from_model_config(model.config)
-    except Exception:  # a config without generation fields still exports
-        return GenerationConfig()
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str, merged: bool = False) -> None:

@@ -143,8 +143,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 def fused_token_logps(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, vocab_size: int
-) -> torch.Tensor:
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int,
+    vocab_size: int,
+    sum_sq: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities of `labels` under lm_head(hidden), [batch, seq] fp32 over the whole
     (unsharded) sequence, 0 where labels is IGNORE, the same on every tp rank (dtrain.dpo: a
     sequence's log-probability is a sum of them). Forward, per chunk: the head matmul, the row max
@@ -153,20 +158,26 @@ def fused_token_logps(
     gradient g known only after the whole forward (it depends on the sequence sums), so backward
     recomputes each chunk's logits (one more head matmul: with the two of the gradients, 4 head
     matmuls a token where the fused loss has 3; about 2·hidden·vocab FLOPs a token, some 2 % of a
-    Llama-3-8B step) and forms g · (one-hot − softmax) in that chunk's buffer."""
+    Llama-3-8B step) and forms g · (one-hot − softmax) in that chunk's buffer. `sum_sq` (dtrain.dpo's
+    WPO weights): also log Σ_v p_v² of every position, without gradient, from the same chunks' sums
+    (Σ exp(2·(logit − max)) beside Σ exp(logit − max)): (logps, log_sum_sq)."""
     layout = head_layout(hidden, weight, vocab_size)
     local_hidden, local_weight = _local_operands(hidden, weight)
     with torch.autocast(local_hidden.device.type, enabled=False):  # the dtypes are set: _local_operands
-        return _FusedTokenLogProbs.apply(local_hidden, local_weight, labels, layout, chunk)
+        logps, log_sum_sq = _FusedTokenLogProbs.apply(
+            local_hidden, local_weight, labels, layout, chunk, sum_sq
+        )
+    return (logps, log_sum_sq) if sum_sq else logps
 
 
 class _FusedTokenLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, layout: Layout, chunk: int):  # noqa: ANN001, ANN205
+    def forward(ctx, hidden, weight, labels, layout: Layout, chunk: int, sum_sq: bool):  # noqa: ANN001, ANN205
         local_len = hidden.shape[1]
         head = weight[: layout.real_rows]
         logps = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
         log_sums = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
+        log_sum_sq = torch.zeros(labels.shape if sum_sq else (), dtype=torch.float32, device=hidden.device)
         for start in range(0, local_len, chunk):
             stop = min(start + chunk, local_len)
             targets = chunk_targets(labels, layout, local_len, start, stop)
@@ -174,19 +185,24 @@ class _FusedTokenLogProbs(torch.autograd.Function):
             owned, index = _owned(targets, layout)
             target_logit = logits.gather(1, index).squeeze(1) * owned
             row_max = _all_reduce(logits.amax(1), "max", layout)
-            exp_sum = logits.sub_(row_max.unsqueeze(1)).exp_().sum(1)
-            sums, target_logit = _all_reduce(torch.stack([exp_sum, target_logit]), "sum", layout)
+            exps = logits.sub_(row_max.unsqueeze(1)).exp_()
+            parts = [exps.sum(1), target_logit] + ([exps.square().sum(1)] if sum_sq else [])
+            sums, target_logit, *squares = _all_reduce(torch.stack(parts), "sum", layout)
             log_sum = sums.log() + row_max
             logp = torch.where(targets != IGNORE, target_logit - log_sum, 0.0)
-            for full, values in ((logps, logp), (log_sums, log_sum)):
+            outputs = [(logps, logp), (log_sums, log_sum)]
+            if sum_sq:  # log Σ p² = log Σ exp(2·(logit − max)) − 2 · log Σ exp(logit − max)
+                outputs.append((log_sum_sq, squares[0].log() - 2 * sums.log()))
+            for full, values in outputs:
                 _chunk_view(full, layout, local_len, start, stop).copy_(_chunk_shape(values, labels, layout))
         ctx.save_for_backward(hidden, weight, labels, log_sums)
         ctx.layout, ctx.chunk = layout, chunk
-        return logps
+        ctx.mark_non_differentiable(log_sum_sq)
+        return logps, log_sum_sq
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logps):  # noqa: ANN001, ANN205
+    def backward(ctx, grad_logps, grad_log_sum_sq):  # noqa: ANN001, ANN205
         hidden, weight, labels, log_sums = ctx.saved_tensors
         layout, (batch, local_len, width) = ctx.layout, hidden.shape
         head = weight[: layout.real_rows]
@@ -209,7 +225,33 @@ class _FusedTokenLogProbs(torch.autograd.Function):
             grad_rows = _reduce_rows(_mm_fp32(low, head), layout)
             grad_hidden[:, start:stop] = grad_rows.view(batch, stop - start, width)
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
+
+
+@torch.no_grad()
+def fused_token_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, vocab_size: int
+) -> torch.Tensor:
+    """The entropy of softmax(lm_head(hidden)) at each position whose label is not IGNORE, [batch, seq]
+    fp32 like fused_token_logps (0 elsewhere), without the full logits and without gradients (a
+    metric: dtrain.grpo's `entropy`): per chunk the head matmul, the row max all-reduced over tp, then
+    Σ e and Σ e·(logit − max) (e = exp(logit − max)) in one all-reduce; entropy = log Σ e − Σ e·(logit −
+    max) / Σ e."""
+    layout = head_layout(hidden, weight, vocab_size)
+    local_hidden = hidden.to_local() if isinstance(hidden, DTensor) else hidden
+    local_weight = weight.to_local() if isinstance(weight, DTensor) else weight
+    head, local_len = local_weight[: layout.real_rows], local_hidden.shape[1]
+    entropy = torch.zeros(labels.shape, dtype=torch.float32, device=local_hidden.device)
+    for start in range(0, local_len, chunk):
+        stop = min(start + chunk, local_len)
+        targets = chunk_targets(labels, layout, local_len, start, stop)
+        shifted = _mm_fp32(_chunk_rows(local_hidden, start, stop, layout), head.T)
+        shifted.sub_(_all_reduce(shifted.amax(1), "max", layout).unsqueeze(1))
+        exp = shifted.exp()
+        sums, weighted = _all_reduce(torch.stack([exp.sum(1), (exp * shifted).sum(1)]), "sum", layout)
+        values = torch.where(targets != IGNORE, sums.log() - weighted / sums, 0.0)
+        _chunk_view(entropy, layout, local_len, start, stop).copy_(_chunk_shape(values, labels, layout))
+    return entropy
 
 
 def _chunk_rows(hidden: torch.Tensor, start: int, stop: int, layout: Layout) -> torch.Tensor:

@@ -17,6 +17,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -32,22 +33,22 @@ from dtrain.reliability import write_exit_status
 ASSETS = Path(__file__).parent / "assets"
 CONF = Path(__file__).parent / "conf"  # shipped inside the package; add your own with --config-dir
 EXIT_CONFIG_ERROR = 2
-# The embedded default's tuned settings (conf/experiment/embedded.yaml) apply to a command line that
-# names none of these: a model, a dataset or an experiment of its own gets the schema's defaults.
-EMBEDDED = "+experiment=embedded"
-EMBEDDED_DPO = "+experiment=embedded_dpo"  # dtrain.dpo's (conf/experiment/embedded_dpo.yaml)
+# An objective's embedded default (its tuned settings, e.g. conf/experiment/embedded.yaml) applies to a
+# command line that names none of these: a model, a dataset or an experiment of its own gets the
+# schema's defaults.
 _GROUPS = ("model", "data", "experiment")
 _SOURCES = ("model.name_or_path", "data.path", "data.mix")
 FAIL_GRACE_S = 5.0
 PROBE_BYTES = 1 << 16  # what a run writes before its first step (Hydra's files, config.yaml) fits
 
 
-# What names a run folder: the overrides of what is trained (RUN_IDENTITY: the model, the data, the
-# optimizer, the seed, the global batch) and the experiment. The rest (the mesh, the step count,
-# logging, checkpoints) changes how a run goes, not which run it is: rerunning with other values of
-# those finds the same folder and resumes it. One name for every rank and node, computed from the
-# command line alone: never from a launcher's random id.
-_RUN_NAME = "DTRAIN_RUN_NAME"  # set by dtrain.sft's main for the resolver; not a user setting
+# What names a run folder: the entry point (its objective: sft, dpo, ...), the experiment and the
+# overrides of what is trained (RUN_IDENTITY: the model, the data, the optimizer, LoRA, the
+# objective's own group, the seed, the global batch). The rest (the mesh, the step count, logging,
+# checkpoints) changes how a run goes, not which run it is: rerunning with other values of those
+# finds the same folder and resumes it. One name for every rank and node, computed from the command
+# line alone: never from a launcher's random id.
+_RUN_NAME = "DTRAIN_RUN_NAME"  # set by runner.main for the resolver; not a user setting
 _SAFE_NAME = re.compile(r"[\w.,=+-]{1,100}")
 
 
@@ -84,13 +85,15 @@ def run_name(overrides: list[str]) -> str:
     return f"{base}-{hashlib.sha1(' '.join(sorted(picked)).encode()).hexdigest()[:8]}"
 
 
-def pin_run_name(overrides: list[str]) -> None:
-    """Compute the run name once, in the process that launches (submitit's jobs inherit it)."""
-    os.environ.setdefault(_RUN_NAME, run_name(overrides))
+def pin_run_name(entry: str, overrides: list[str]) -> None:
+    """Compute the run folder's name once, in the process that launches (submitit's jobs inherit it):
+    `ENTRY/NAME`, the entry point (dtrain.ENTRY) then run_name, so two entry points given the same
+    overrides never share a folder."""
+    os.environ.setdefault(_RUN_NAME, f"{entry}/{run_name(overrides)}")
 
 
 def pinned_run_name() -> str:
-    """The pinned name (dtrain.sft's main pins it), else this process's command line's."""
+    """The pinned name (runner.main pins it), else this process's command line's."""
     return os.environ.get(_RUN_NAME) or run_name(sys.argv[1:])
 
 
@@ -121,22 +124,22 @@ def override_keys(overrides: list[str]) -> list[str]:
     return keys
 
 
-def with_embedded_defaults(overrides: list[str], embedded: str = EMBEDDED) -> list[str]:
-    """`overrides` (a command line after the program name) plus `embedded` (EMBEDDED: dtrain.sft's)
-    if they name no model, no dataset and no experiment."""
+def with_embedded_defaults(overrides: list[str], embedded: str) -> list[str]:
+    """`overrides` (a command line after the program name) plus `embedded` (an objective's embedded
+    default, e.g. `+experiment=embedded`) if they name no model, no dataset and no experiment."""
     if any(key in _GROUPS or key.startswith(_SOURCES) for key in override_keys(overrides)):
         return overrides
     return [*overrides, embedded]
 
 
-def fit_embedded_default(cfg: DictConfig, world_size: int, overrides: list[str]) -> str | None:
-    """The embedded default (EMBEDDED, or dtrain.dpo's EMBEDDED_DPO, among Hydra's `overrides`) on any
-    world size: its experiment's
+def fit_embedded_default(cfg: DictConfig, world_size: int, overrides: list[str], embedded: str) -> str | None:
+    """The embedded default (`embedded`, the objective's, if among Hydra's `overrides`) on any world
+    size: its experiment's
     tp (2) where it divides the ranks, else 1; its global batch (32) where dp divides it, else the
     largest multiple of dp below it; the largest micro batch up to the experiment's (16) that divides
     each dp rank's share. Only what the command line does not set itself, in `cfg` (so config.yaml
     holds what runs). Returns what changed, for the run's first line, or None."""
-    if EMBEDDED not in overrides and EMBEDDED_DPO not in overrides:
+    if embedded not in overrides:
         return None
     given = set(override_keys(overrides))
     parallel, train = cfg.parallel, cfg.train
@@ -167,21 +170,42 @@ def fit_embedded_default(cfg: DictConfig, world_size: int, overrides: list[str])
     return f"the embedded default fitted to {world_size} rank{'s' if world_size > 1 else ''}: {settings}"
 
 
-# The folders the run folder needed that did not exist (it first): made by this command (Hydra's
-# mkdir), so removed again if it fails before training.
-_new_folders: list[Path] = []
+@dataclass
+class FolderBefore:
+    """The run folder as this rank found it before its Hydra ran (check_run_folder), for undo_start."""
+
+    folder: Path | None = None
+    made: list[Path] = field(default_factory=list)  # the folders it needed that did not exist, it first
+    names: set[str] | None = None  # what it held (None: it was not there)
+    record: dict[str, bytes] = field(default_factory=dict)  # its .hydra/ files (Hydra rewrites them)
+
+
+# Only rank 0 writes in the run folder before training: run_command runs the other ranks' Hydra in
+# the working folder, so that no rank makes the run folder before rank 0 has looked (rank 0 would
+# find it made and leave its own start's files: a refused 4-rank launch left config.yaml and dpo.log
+# behind whenever another rank's Hydra came first).
+_before = FolderBefore()
+# The run folder on the ranks whose Hydra runs in the working folder (a single run's ranks > 0).
+_run_folder_elsewhere: Path | None = None
+# What a start writes in the run folder: Hydra's (rank 0's) .hydra/ and log file, then config.yaml.
+_START_FILES = (".hydra", "config.yaml")
 
 
 def check_run_folder(folder: Path | None) -> None:
     """The run folder can be written (else Hydra fails with a traceback per rank): a probe of
     PROBE_BYTES written where it is, or, not made yet, in the nearest folder above it (which also
-    catches a full disk). Remembers which folders this command will make (discard_new_run_folder)."""
-    _new_folders.clear()
+    catches a full disk). Remembers how it was (undo_start)."""
+    global _before
+    _before = FolderBefore(folder)
     if folder is None:
         return
+    if folder.is_dir():
+        _before.names = {path.name for path in folder.iterdir()}
+        hydra = folder / ".hydra"
+        _before.record = {path.name: path.read_bytes() for path in hydra.glob("*") if path.is_file()}
     existing = folder.absolute()
     while not existing.exists() and existing != existing.parent:
-        _new_folders.append(existing)
+        _before.made.append(existing)
         existing = existing.parent
     probe = existing / f".dtrain-write-test-{rank_from_env()}"
     try:
@@ -202,23 +226,46 @@ def check_run_folder(folder: Path | None) -> None:
         probe.unlink(missing_ok=True)
 
 
-def discard_new_run_folder() -> None:
-    """A run that fails before its first step leaves nothing behind in a run folder this command
-    made: rank 0 removes what a start writes there (Hydra's `.hydra/` and log file, `config.yaml`;
-    never metrics or checkpoints), every rank the folders it made, where empty."""
-    if not _new_folders:
+def keep_other_ranks_out(folder: Path | None, sweeping: bool) -> list[str]:
+    """Hydra's overrides for a rank > 0 of a single run whose folder is known: run in the working
+    folder (Hydra makes its run folder on every rank: only rank 0's may), the run folder being
+    `folder` all the same (run_folder)."""
+    global _run_folder_elsewhere
+    _run_folder_elsewhere = None if folder is None or sweeping else Path(os.path.abspath(folder))
+    return [] if _run_folder_elsewhere is None else ["hydra.run.dir=."]
+
+
+def run_folder(hydra_output_dir: str) -> Path:
+    """This job's run folder, on every rank: Hydra's output folder (`hydra_output_dir`), or where
+    rank 0's Hydra makes it on the ranks keep_other_ranks_out kept out."""
+    return _run_folder_elsewhere or Path(hydra_output_dir)
+
+
+def undo_start() -> None:
+    """A command that trains nothing (refused before its first step, or finding nothing left to
+    train) leaves the run folder as it found it: rank 0 puts back Hydra's record (`.hydra/`) where
+    it was there, and removes what its start added (`.hydra/`, Hydra's log file, `config.yaml`) where
+    nothing else is new (never metrics or checkpoints), then the folders it made, where empty. The
+    other ranks wrote nothing there (keep_other_ranks_out)."""
+    folder = _before.folder
+    if rank_from_env() != 0 or folder is None or not folder.is_dir():
         return
-    run_dir = _new_folders[0]
-    if rank_from_env() == 0 and run_dir.is_dir():
-        names = {path.name for path in run_dir.iterdir()}
-        started = {".hydra", "config.yaml"} | {name for name in names if name.endswith(".log")}
-        if names <= started:
-            shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
-            for name in names - {".hydra"}:
-                (run_dir / name).unlink(missing_ok=True)
-    for folder in _new_folders:
+    if _before.record:
+        hydra = folder / ".hydra"
+        for path in hydra.glob("*"):
+            if path.name not in _before.record:
+                path.unlink(missing_ok=True)
+        for name, content in _before.record.items():
+            (hydra / name).write_bytes(content)
+    new = {path.name for path in folder.iterdir()} - (_before.names or set())
+    if new <= set(_START_FILES) | {name for name in new if name.endswith(".log")}:
+        if ".hydra" in new:
+            shutil.rmtree(folder / ".hydra", ignore_errors=True)
+        for name in new - {".hydra"}:
+            (folder / name).unlink(missing_ok=True)
+    for made in _before.made:
         try:
-            folder.rmdir()
+            made.rmdir()
         except OSError:  # not empty: something else is there now
             break
 

@@ -94,14 +94,12 @@ class StepMeter:
     def __init__(
         self,
         train: TrainConfig,
-        max_len: int,
         flops: float,
         peak: float | None,
         device: torch.device,
         step: int,
     ) -> None:
         self.max_steps, self.log_every = train.max_steps, train.log_every
-        self.slots = train.global_batch_size * max_len  # input token slots per step, pad included
         self.flops_per_token, self.peak, self.device = flops, peak, device
         self.world = dist.get_world_size()
         self._restart(step)
@@ -128,16 +126,18 @@ class StepMeter:
         grad_norm: float,
         lr: float,
         tokens: int,
-        filled: float,
+        counts: tuple[float, float, float],
         skipped: int,
     ) -> dict[str, Any]:
-        """The metrics.jsonl line of `step` (`tokens`: its supervised tokens, `filled`: its non-pad
-        slots). A collective: every rank calls it (memory figures are the worst rank's)."""
+        """The metrics.jsonl line of `step` (`tokens`: its supervised tokens; `counts`: the supervised
+        tokens, non-pad slots and slots of every step since the last logged one, which the throughput
+        and the padding fraction are measured over). A collective: every rank calls it (memory
+        figures are the worst rank's)."""
         elapsed = time.perf_counter() - self.start
         steps = step - self.last_logged
+        supervised, filled, slots = counts
         waited = {"data_wait_s": self.data_wait / steps}
         worst = max_over_ranks({**memory_figures(self.device), **waited}, self.device)
-        input_tokens = self.slots * steps
         peak = self.peak
         record = {
             "step": step,
@@ -145,13 +145,13 @@ class StepMeter:
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens": tokens,
-            "padding_fraction": 1.0 - filled / self.slots,
-            "tokens_per_s": tokens * steps / elapsed,
-            "input_tokens_per_s": input_tokens / elapsed,
-            "input_tokens_per_s_per_device": input_tokens / elapsed / self.world,
+            "padding_fraction": 1.0 - filled / slots,
+            "tokens_per_s": supervised / elapsed,
+            "input_tokens_per_s": slots / elapsed,
+            "input_tokens_per_s_per_device": slots / elapsed / self.world,
             "step_time_s": elapsed / steps,
             **worst,
-            "mfu": self.flops_per_token * input_tokens / elapsed / (peak * self.world) if peak else None,
+            "mfu": self.flops_per_token * slots / elapsed / (peak * self.world) if peak else None,
             "skipped_steps": skipped,
         }
         self._restart(step)

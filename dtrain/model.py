@@ -3,6 +3,7 @@ straight into the sharded parameters, or a seeded init that is the same on every
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 from pathlib import Path
@@ -14,7 +15,13 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+)
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
 
@@ -22,7 +29,12 @@ from dtrain import attention
 from dtrain.config import Config, ConfigError, LoraConfig, ModelConfig
 from dtrain.distributed import Parallel
 from dtrain.parallel import experts, fused, lora, phi3, qlora, vocab
-from dtrain.parallel.parallelize import keep_gradient_placements, parallelize
+from dtrain.parallel.parallelize import (
+    check_tp_divides,
+    check_tp_support,
+    keep_gradient_placements,
+    parallelize,
+)
 
 # Copies of the config.json of the hub models conf/model/ names, so the planner works offline.
 ARCHITECTURES = Path(__file__).parent / "assets" / "architectures"
@@ -140,6 +152,48 @@ def build_model(
     return model
 
 
+def build_frozen_model(
+    config: Config,
+    parallel: Parallel,
+    device: torch.device | None,
+    folder: str | None = None,
+    policy: PretrainedConfig | None = None,
+    vocab_rows: int | None = None,
+    attention_backend: str = "auto",
+    offline: bool = False,
+) -> nn.Module:
+    """A frozen model (forwards only, the compute dtype) built and sharded on the policy's mesh as the
+    policy is (build_model): with `folder` None, the starting policy (model.*'s weights, LoRA's starting
+    adapters included; `policy` its architecture, `vocab_rows` its vocabulary rows); else the Hugging
+    Face model folder (or hub id) `folder`, its own architecture and weights, no adapters (dtrain.dpo's
+    dpo.ref_model, dtrain.distill's teacher), its vocabulary padded to the policy's `vocab_rows` so both
+    heads split it alike over tp. `offline`: a hub id's shipped architecture (the planner)."""
+    if folder is None:
+        assert policy is not None
+        return build_model(policy, config, parallel, device, vocab_rows, attention_backend, frozen=True)
+    settings = ModelConfig(name_or_path=folder, init="pretrained")
+    own = dataclasses.replace(config, model=settings, lora=LoraConfig())
+    architecture = load_model_config(settings, offline=offline)
+    check_other_model(folder, architecture, policy, parallel.tp_size)
+    return build_model(architecture, own, parallel, device, vocab_rows, attention_backend, frozen=True)
+
+
+def check_other_model(
+    folder: str, architecture: PretrainedConfig, policy: PretrainedConfig | None, tp: int
+) -> None:
+    """A model of another folder beside the policy: it scores the policy's token ids (the same
+    vocabulary size) and runs on the policy's mesh (the policy's own checks, dtrain.checks). Every
+    rank raises alike, before any collective of its build."""
+    named = f"the model in {folder}"
+    if policy is not None and architecture.vocab_size != policy.vocab_size:
+        raise ConfigError(
+            f"{named}: vocab_size {architecture.vocab_size}, the policy's {policy.vocab_size}: it must score "
+            "the same token ids (the same tokenizer)"
+        )
+    check_tp_support(architecture.model_type, tp, named)
+    check_tp_divides(architecture, tp, named)
+
+
 def build_meta_model(
     config: PretrainedConfig,
     packed: bool = False,
@@ -164,6 +218,36 @@ def build_meta_model(
     vocab.pad_vocab(model, vocab_rows or config.vocab_size)
     attention.attach_block_masks(model)
     return model
+
+
+def plain_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of a dtrain model's config as transformers builds the model outside dtrain (an export,
+    a generator): transformers' own attention and experts code (the private implementation choices
+    are not copied) without dtrain's attention settings, and the KV cache on (build_meta_model turns
+    it off for training)."""
+    values = config.to_dict()
+    for key in attention.CONFIG_KEYS:
+        values.pop(key, None)
+    plain = type(config).from_dict(values)
+    plain.use_cache = True
+    return plain
+
+
+def save_config(model_config: PretrainedConfig, folder: Path, dtype: torch.dtype) -> None:
+    """config.json and generation_config.json of a Hugging Face folder of the model: the plain
+    transformers architecture (plain_config), its class named, weights in `dtype`."""
+    config = plain_config(model_config)
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    _generation_config(model_config).save_pretrained(folder)
+
+
+def _generation_config(model_config: PretrainedConfig) -> GenerationConfig:
+    try:
+        return GenerationConfig.from_model_config(model_config)
+    except Exception:  # a config without generation fields still exports
+        return GenerationConfig()
 
 
 def materialize(

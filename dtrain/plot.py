@@ -1,6 +1,6 @@
-"""`python -m dtrain.plot RUN_DIR... [-o curves.png]`: loss, learning rate and throughput curves
-from the `metrics.jsonl` of one or more runs, or of every job in a sweep folder, to one PNG. No W&B
-needed."""
+"""`python -m dtrain.plot RUN_DIR... [-o curves.png]`: loss, learning rate and throughput curves (and
+dtrain.grpo's mean reward) from the `metrics.jsonl` of one or more runs, or of every job in a sweep
+folder, to one PNG. No W&B needed."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ matplotlib.use("Agg")  # a file, never a window: this runs on clusters and in CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("input_tokens_per_s", "tokens/s (all ranks)")]
+REWARD = ("reward", "mean reward")  # dtrain.grpo's runs get this panel too
 
 
 def find_runs(folders: list[Path]) -> list[Path]:
@@ -67,17 +68,21 @@ def labels(runs: list[Path], root: Path, width: int = 40) -> list[str]:
 
 
 def plot(runs: list[Path], root: Path, output: Path) -> Path:
-    figure, axes = plt.subplots(1, len(PANELS), figsize=(6 * len(PANELS), 4), layout="constrained")
+    records_of = {run: read_records(run) for run in runs}
+    rewarded = any(r.get("reward") is not None for records in records_of.values() for r in records)
+    panels = [REWARD, *PANELS] if rewarded else PANELS
+    figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), layout="constrained")
     for run, name in zip(runs, labels(runs, root), strict=True):
-        records = read_records(run)
+        records = records_of[run]
         train = [r for r in records if "loss" in r]
         evals = [r for r in records if "eval_loss" in r]
-        for ax, (key, _) in zip(axes, PANELS, strict=True):
-            (line,) = ax.plot([r["step"] for r in train], [r[key] for r in train], label=name)
+        for ax, (key, _) in zip(axes, panels, strict=True):
+            shown = [r for r in train if r.get(key) is not None]  # reward: the steps that generated
+            (line,) = ax.plot([r["step"] for r in shown], [r[key] for r in shown], label=name)
             if key == "loss" and evals:
                 steps, losses = [r["step"] for r in evals], [r["eval_loss"] for r in evals]
                 ax.plot(steps, losses, "--", color=line.get_color(), label=f"{name} (eval)")
-    for ax, (_, title) in zip(axes, PANELS, strict=True):
+    for ax, (_, title) in zip(axes, panels, strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -74,6 +74,8 @@ def format_record(record: dict[str, Any], max_steps: int) -> str:
             f" | rewards/accuracies {record['rewards/accuracies']:.3f} | rewards/margins "
             f"{record['rewards/margins']:.4f}"
         )
+    if record.get("reward") is not None:  # dtrain.grpo's mean reward (of the generations since the last line)
+        rewards = f" | reward {record['reward']:.4f}"
     return (
         f"{step} | loss {record['loss']:.4f}{rewards} | grad_norm {record['grad_norm']:.3f} | "
         f"lr {record['lr']:.2e} | tokens/s {record['input_tokens_per_s']:,.0f} "

@@ -1,7 +1,7 @@
 """One training step, in the functions the trainer, the planner (dtrain.estimate) and the benchmark
 all run, in the order the loop calls them: this rank's part of each micro-batch on its device, the
 step's token counts, forward, loss and backward of a micro-batch (`micro_step`, SFT's token loss:
-dtrain.objective.TokenLoss runs it), then clip and AdamW (`optimizer_step`); and the eval loss over
+dtrain.objectives.sft.TokenLoss runs it), then clip and AdamW (`optimizer_step`); and the eval loss over
 the eval set."""
 
 from __future__ import annotations
@@ -45,14 +45,23 @@ def with_filled_slots(micro_batch: dict[str, Any]) -> dict[str, Any]:
 
 def global_counts(
     micro_batches: list[dict[str, Any]], parallel: Parallel
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's supervised tokens (the loss is a token mean over them) and non-pad slots (for the
-    padding fraction), counted over every micro-batch of every dp and cp rank."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's supervised tokens (the loss is a token mean over them), non-pad slots and slots (for
+    the padding fraction and the input throughput: the rows the step really holds, packed or not),
+    counted over every micro-batch of every dp and cp rank."""
     counts = sum(
-        torch.stack([(mb["labels"] != IGNORE).sum(), mb["num_tokens"].sum()]) for mb in micro_batches
+        torch.stack(
+            [
+                (mb["labels"] != IGNORE).sum(),
+                mb["num_tokens"].sum(),
+                # a fill on the device, not a copy from the host
+                torch.full((), mb["input_ids"].numel(), device=mb["input_ids"].device),
+            ]
+        )
+        for mb in micro_batches
     ).float()
     dist.all_reduce(counts, group=parallel.token_group)
-    return counts[0], counts[1]
+    return counts[0], counts[1], counts[2]
 
 
 def micro_step(

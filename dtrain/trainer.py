@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedTokenizerBase
 
-from dtrain.checkpoint import Checkpointer, Progress, checkpoint_dir, load
+from dtrain.checkpoint import Checkpointer, Progress, checkpoint_dir, load, load_objective
 from dtrain.config import Config, MeshShape, TrainConfig
 from dtrain.data.formats import load_tokenizer
 from dtrain.data.pipeline import SFTData, build_data
@@ -23,15 +23,15 @@ from dtrain.distributed import Parallel, build_parallel
 from dtrain.export import export_hf, export_merged
 from dtrain.faults import Faults
 from dtrain.metrics import StepMeter, count_parameters, flops_per_token, peak_flops
-from dtrain.model import build_model, has_weights, tokenizer_source
-from dtrain.objective import Objective, build_objective
+from dtrain.model import build_frozen_model, build_model, has_weights, tokenizer_source
+from dtrain.objectives import Context, Objective, build_objective, objective_of
 from dtrain.optim import build_optimizer, build_scheduler, trainable_parameters
+from dtrain.parallel import lora
 from dtrain.parallel.experts import idle_parameters
 from dtrain.parallel.vocab import padded_vocab_size, saved_vocab_rows
-from dtrain.reference import precomputed
 from dtrain.reliability import Preempted, StallWatch, StepGuard
 from dtrain.sinks import Sink, open_sinks
-from dtrain.step import local_micro_batch, optimizer_step
+from dtrain.step import optimizer_step
 
 log = logging.getLogger("dtrain")
 
@@ -70,7 +70,8 @@ class Run:
 
     def save(self, step: int, tokens_seen: torch.Tensor) -> None:
         progress = Progress(step, int(tokens_seen.item()))
-        self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.data.train, progress)
+        state = self.objective.state_dict()
+        self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.data.train, progress, state)
 
     def close(self) -> None:
         self.guard.close()
@@ -96,17 +97,20 @@ def start_run(
     optimizer = build_optimizer(model, config.optim)
     tokenizer_folder = tokenizer_source(config.model)
     tokenizer = load_tokenizer(tokenizer_folder)
-    data = build_data(config.data, config.train, tokenizer, parallel.dp_rank, parallel.dp_size)
+    stream, dp_rank, dp_size = objective_of(config).stream(config, parallel.dp_rank, parallel.dp_size)
+    data = build_data(config.data, stream, tokenizer, dp_rank, dp_size)
     if config.train.epochs is not None:  # the rows are packed now: the run's length is known
         config.train.max_steps = steps_for_epochs(config.train, len(data.train))
     scheduler = build_scheduler(optimizer, config.optim, config.train.max_steps)
     progress = load(resume_from, model, optimizer, scheduler, data.train) if resume_from else Progress()
-    # SFT's token loss, or DPO's pair loss with its reference (precomputed now, at step 0)
-    frozen = functools.partial(build_model, model_config, config, parallel, device, vocab_rows, frozen=True)
-    table = functools.partial(
-        precomputed, config, model, data.train, parallel, run_dir, progress.step, resume_from
+    # the config's objective: SFT's token loss, DPO's pair loss with its reference (precomputed now) ...
+    frozen = functools.partial(
+        build_frozen_model, config, parallel, device, policy=model_config, vocab_rows=vocab_rows
     )
-    objective = build_objective(config, model, parallel, frozen, table)
+    context = Context(config, model, parallel, frozen, data, run_dir, progress.step, resume_from)
+    objective = build_objective(context)
+    if resume_from:  # its own state (DPO's TR-DPO reference), once it is built
+        load_objective(resume_from, objective)
     faults = Faults.from_env()
     checkpointer = Checkpointer(
         config.checkpoint, checkpoint_dir(config.checkpoint, run_dir), resolved, faults
@@ -116,14 +120,15 @@ def start_run(
     trainable = sum(p.numel() for p in trainable_parameters(model))  # LoRA: no base weight gradients
     active = num_params - idle_parameters(model)  # a mixture of experts: the top-k experts' share
     flops = flops_per_token(model_config, active, config.data.max_len, min(trainable, active))
-    meter = StepMeter(config.train, config.data.max_len, flops, peak_flops(device), device, progress.step)
+    meter = StepMeter(config.train, flops, peak_flops(device), device, progress.step)
     shard_sizes = gather_shard_sizes(model)  # a collective: every rank, before rank 0 logs
     sinks = []
     if dist.get_rank() == 0:
         sinks = open_sinks(config, resolved, run_dir, progress.step)
         log_summary(
-            model, parallel, config, num_params, trainable, shard_sizes, data.num_examples, tokenizer_folder
-        )
+            model, parallel, config, num_params, trainable, shard_sizes, data.examples(), tokenizer_folder,
+            objective.describe(),
+        )  # fmt: skip
     guard = StepGuard(config.train, faults, save_due=checkpointer.due_by_time)
     return Run(
         parallel=parallel,
@@ -168,9 +173,9 @@ def train(
                     run.save(step, tokens_seen)
                 run.checkpointer.wait()
                 raise Preempted(step)
+            read = functools.partial(guard.agreed, step, run.data.train.next_step)
             with meter.waiting_for_data():
-                host_batches = guard.agreed(step, run.data.train.next_step)
-                micro_batches = [local_micro_batch(mb, parallel) for mb in host_batches]
+                micro_batches = objective.next_batches(step, read)
             objective.begin_step(micro_batches)  # the global counts the loss is a mean over
             for mb in micro_batches:
                 objective.micro_step(mb)
@@ -185,6 +190,7 @@ def train(
                 tokens_seen += objective.tokens
 
             done = step + 1
+            objective.end_step(done)
             if run.checkpointer.due(done, settings.max_steps) or guard.save_now:
                 run.save(done, tokens_seen)
                 saved = done
@@ -193,7 +199,8 @@ def train(
                     run.emit({"step": done, **objective.evaluate(run.data.eval)})
             if meter.due(done):
                 figures = objective.figures()  # reduced over the ranks
-                logged = figures.loss, grad_norm.item(), lr, figures.tokens, figures.filled
+                counts = figures.supervised, figures.filled, figures.slots
+                logged = figures.loss, grad_norm.item(), lr, figures.tokens, counts
                 run.emit({**meter.record(done, *logged, guard.skipped), **figures.extra})
                 stall.check(done, figures.loss, logged[1])
 
@@ -232,8 +239,9 @@ def log_summary(
     num_params: int,
     trainable: int,
     shard_sizes: list[int],
-    n: int,
+    examples: str,
     tokenizer_folder: str,
+    objective: str = "",
 ) -> None:
     train = config.train
     accumulation = train.global_batch_size // (train.micro_batch_size * parallel.dp_size)
@@ -247,12 +255,26 @@ def log_summary(
     log.info(
         f"model {config.model.name_or_path or 'from model.config'} ({init}) | tokenizer {tokenizer_folder} | "
         f"{model.config.model_type}: {num_params / 1e6:.2f} M parameters, {trainable / 1e6:.3f} M trainable "
-        f"({100 * trainable / num_params:.2f} %), per-rank shards "
+        f"({100 * trainable / num_params:.2f} %){adapters_note(model, config)}, per-rank shards "
         f"{describe_sizes(shard_sizes)} | mesh {mesh} "
         f"on {parallel.device.type} | global batch {train.global_batch_size}, micro batch "
-        f"{train.micro_batch_size}, {accumulation} accumulation steps | {n} examples, "
+        f"{train.micro_batch_size}, {accumulation} accumulation steps | {examples}, "
         f"max_len {config.data.max_len} | loss {config.parallel.loss_impl}"
+        + (f" | {objective}" if objective else "")
     )
+
+
+def adapters_note(model: torch.nn.Module, config: Config) -> str:
+    """What a LoRA run trains on (for the start line): the adapters' rank and scale and the frozen
+    base's dtype, NF4 for QLoRA (the weights NF4 leaves dense keep train.precision's)."""
+    settings = getattr(model, lora.SETTINGS_ATTR, None)
+    if settings is None:
+        return ""
+    scale = f"alpha {settings.alpha:g}{', rsLoRA' if settings.use_rslora else ''}"
+    names = {dtype: name for name, dtype in lora.DTYPES.items()}
+    dense = names[lora.base_dtype(config.lora, config.train.precision)]
+    base = f"an NF4 base (QLoRA; the rest {dense})" if config.lora.base_dtype == "nf4" else f"a {dense} base"
+    return f": LoRA r={settings.r}, {scale}, on {base}"
 
 
 def describe_sizes(sizes: list[int]) -> str:

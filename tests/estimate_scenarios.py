@@ -2,8 +2,9 @@
 one process, 1x1: no TP, no FSDP, a bf16 run and QLoRA's): the embedded
 default (tiny Llama, shipped data) with accumulation, with and without activation checkpointing, with
 the fused loss, with a large vocabulary, with context parallel on packed rows, LoRA on a frozen
-bf16 base and on an NF4 one (QLoRA) in a bf16 run, and dtrain.dpo's step on the embedded pairs (a
-live reference; LoRA with its adapters bypassed). The same overrides go to the planner and to the
+bf16 base and on an NF4 one (QLoRA) in a bf16 run, dtrain.dpo's step on the embedded pairs (a
+live reference; LoRA with its adapters bypassed), and dtrain.grpo's on the embedded prompts (a frozen
+reference, old log-probs, the hf engine's generator). The same overrides go to the planner and to the
 real run; each names its loss (`parallel.loss_impl`), so a change of the default changes none. One
 scenario accumulates 4 micro-batches (the planner tracks 2 of any accumulation: this checks that two
 stand for more); the others 2, which is all the planner runs, to keep the real run short.
@@ -131,6 +132,25 @@ SCENARIOS = {
         "train.precision=bf16",
         "lora.r=8",
         "lora.base_dtype=bf16",
+        "parallel.loss_impl=fused",
+        "parallel.loss_chunk=16",
+    ],
+    # dtrain.grpo on the embedded prompts: micro-batches of 8 completions (a prompt and a whole
+    # completion a row), beta 0.04 (a frozen copy of the policy as the reference) and two passes over a
+    # generation (old log-probs in the micro-batches), the hf engine's generator copy beside the step
+    "grpo_tp2_kl": [
+        *_COMMON,
+        "data=tiny_grpo",
+        "data.max_len=32",
+        "parallel.tp=2",
+        "train.micro_batch_size=8",
+        "train.global_batch_size=16",
+        "grpo.num_generations=8",
+        "grpo.max_completion_length=8",
+        "grpo.beta=0.04",
+        "grpo.num_iterations=2",
+        "rollout.engine=hf",
+        "moe.aux_scope=global_batch",
         "parallel.loss_impl=fused",
         "parallel.loss_chunk=16",
     ],

@@ -4,6 +4,7 @@ loader's global stream (coverage, resume on another dp size), and every bad inpu
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import sys
@@ -17,21 +18,23 @@ import torch
 from transformers import AutoTokenizer
 
 from dtrain.checks import check_config
-from dtrain.config import ConfigError, DataConfig
+from dtrain.config import ConfigError, DataConfig, TrainConfig
 from dtrain.data.formats import (
     EMPTY,
+    EMPTY_COMPLETION,
     FORMATS,
     NO_TARGET,
     OK,
     OVERLONG,
+    SAME,
     TRUNCATED,
     Format,
     text_ids,
     tokenize_example,
 )
 from dtrain.data.loader import SFTLoader, eval_micro_batches
-from dtrain.data.pipeline import prepare, to_rows
-from dtrain.data.sources import load_split
+from dtrain.data.pipeline import build_data, prepare, to_rows
+from dtrain.data.sources import load_split, places
 from dtrain.model import load_model_config
 from tests.helpers import (
     DATASET,
@@ -191,6 +194,35 @@ def test_local_sources_of_every_kind(tmp_path, kind):
     (source,) = DataConfig(path=str(path), max_samples=10).sources()
     loaded = load_split(source, "train")
     assert loaded["prompt"] == [r["prompt"] for r in RECORDS[:10]]
+    # how errors and the start name example 3: the line it is in a file of lines (its text read back
+    # from the file: the record itself), else the split and datasets' index
+    name = places(source, "train", loaded)(3)
+    if kind in ("jsonl", "folder", "csv"):
+        file, line = name.rsplit(":", 1)
+        text = Path(file).read_text().splitlines()[int(line) - 1]
+        record = text.split(",")[0] if kind == "csv" else json.loads(text)
+        assert record == (RECORDS[3]["prompt"] if kind == "csv" else RECORDS[3])
+    else:
+        assert name == f"{path} [train] example 3"
+
+
+def test_examples_are_named_by_their_line_across_blank_lines_and_split_slices(tmp_path):
+    """The line of a JSON-lines file an example is (blank lines skipped, as datasets skips them), in
+    a sliced split too; a CSV record by the line it starts on (a quoted field may span lines)."""
+    path = tmp_path / "d.jsonl"
+    lines = ["", json.dumps(RECORDS[0]), "  ", json.dumps(RECORDS[1]), json.dumps(RECORDS[2])]
+    path.write_text("\n".join(lines))
+    (source,) = DataConfig(path=str(path)).sources()
+    assert [places(source, "train", load_split(source, "train"))(i) for i in range(3)] == [
+        f"{path}:{line}" for line in (2, 4, 5)
+    ]
+    assert places(source, "train[1:]", load_split(source, "train[1:]"))(0) == f"{path}:4"
+    csv = tmp_path / "d.csv"
+    csv.write_text('prompt,response\n"two\nlines",a\n\nb,c\n')
+    (source,) = DataConfig(path=str(csv)).sources()
+    loaded = load_split(source, "train")
+    assert loaded["prompt"] == ["two\nlines", "b"]
+    assert [places(source, "train", loaded)(i) for i in range(2)] == [f"{csv}:2", f"{csv}:5"]
 
 
 def test_mix_weights_eval_split_and_eval_fraction(tmp_path):
@@ -262,7 +294,7 @@ def test_tokenizing_in_two_processes_gives_the_same_examples_and_errors(tmp_path
     assert one["input_ids"][:] == two["input_ids"][:] and one["mask"][:] == two["mask"][:]
     robot = [{"messages": CONVERSATION}] * 5 + [{"messages": [{"role": "robot", "content": "hi"}]}]
     path = write_jsonl(tmp_path / "m.jsonl", robot)
-    with pytest.raises(ConfigError, match="example 5, message 0: unknown role 'robot'"):
+    with pytest.raises(ConfigError, match="m.jsonl:6, message 0: unknown role 'robot'"):
         prepare(DataConfig(path=path, format="messages", num_proc=2), tokenizer, seed=0)
 
 
@@ -360,7 +392,7 @@ BAD_INPUT = {
     "unknown role": (
         [{"messages": CONVERSATION}, {"messages": [{"role": "robot", "content": "hi"}]}],
         ["data.format=messages"],
-        ["example 1, message 0: unknown role 'robot'"],
+        ["d.jsonl:2, message 0: unknown role 'robot'"],
     ),
     "hub id offline": (
         None,
@@ -465,7 +497,9 @@ def test_empty_and_truncated_responses_are_dropped_counted_and_packed_training_e
     overrides += ["train.global_batch_size=4", "train.micro_batch_size=2", "data.max_len=32"]
     returncode, output = cli(tmp_path, records, overrides)
     assert returncode == 0, output[-3000:]
-    assert f"dropped 1 {EMPTY}, 1 {NO_TARGET}" in output, output[-3000:]
+    data = str(tmp_path / "d.jsonl")  # the last two records: lines 49 and 50 of cli's file
+    assert f"dropped 1 {EMPTY} ({data}:49), 1 {NO_TARGET} ({data}:50)" in output, output[-3000:]
+    assert f"(dropped: 1 {EMPTY}, 1 {NO_TARGET})" in output, output[-3000:]  # the start line's count
     assert "(packed), efficiency" in output
     lines = read_metrics(tmp_path / "run")
     steps = [line for line in lines if "loss" in line]
@@ -475,3 +509,38 @@ def test_empty_and_truncated_responses_are_dropped_counted_and_packed_training_e
     assert all(0.0 <= line["padding_fraction"] < 1.0 for line in steps)
     assert all(math.isfinite(line["eval_loss"]) for line in evals)
     assert torch.tensor([line["eval_tokens"] for line in evals]).unique().numel() == 1
+
+
+def test_degenerate_pairs_are_counted_named_and_a_source_of_nothing_else_is_refused(tmp_path, caplog):
+    """Preference pairs whose chosen and rejected are the same (given so, or implicit conversations
+    that never diverge) are kept, as TRL keeps them, and named on the start as having nothing to
+    learn; an empty completion is dropped as one (not as "no response token within max_len"); each
+    named by its line (a blank line in the file skipped); a source of nothing but such pairs is
+    refused before training (they would train at zero gradient)."""
+    user, answer = [{"role": "user", "content": "hi"}], lambda text: [{"role": "assistant", "content": text}]
+    pairs = [
+        {"prompt": user, "chosen": answer("good"), "rejected": answer("bad")},
+        {"prompt": user, "chosen": answer("same"), "rejected": answer("same")},
+        {"prompt": user, "chosen": [], "rejected": answer("bad")},
+        {"chosen": user + answer("x"), "rejected": user + answer("x")},  # implicit: never diverge
+        {"prompt": user, "chosen": answer("good"), "rejected": answer("bad")},
+    ]
+    path = tmp_path / "pairs.jsonl"
+    lines = [json.dumps(pair) for pair in pairs]
+    path.write_text("\n".join([*lines[:2], "", *lines[2:]]) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    train = TrainConfig(global_batch_size=2, micro_batch_size=1)
+    caplog.set_level(logging.INFO, logger="dtrain")
+    data = build_data(DataConfig(path=str(path), format="preference", max_len=32), train, tokenizer, 0, 1)
+    assert data.num_examples == 4
+    line = (
+        f"data: {path} [train]: 5 examples, 0 truncated to data.max_len=32, dropped 1 {EMPTY_COMPLETION} "
+        f"({path}:4); kept with nothing to learn (as TRL keeps them): 2 {SAME} ({path}:2, {path}:5)"
+    )
+    assert line in caplog.text, caplog.text
+    flagged = f"kept with nothing to learn: 2 {SAME}; dropped: 1 {EMPTY_COMPLETION}"
+    assert data.examples() == f"4 examples ({flagged})"  # the start line's
+    same = tmp_path / "same.jsonl"
+    same.write_text("".join(line + "\n" for line in (lines[1], lines[3])))
+    with pytest.raises(ConfigError, match=f"no example with anything to learn .*'{SAME}': 2"):
+        build_data(DataConfig(path=str(same), format="preference", max_len=32), train, tokenizer, 0, 1)

@@ -34,16 +34,28 @@ from dtrain.config import DataConfig
 from dtrain.data.loader import SFTLoader
 from dtrain.data.pairs import NO_SEQUENCE, Pairs
 from dtrain.data.pipeline import prepare
-from tests.dpo_reference import cached, preference_records, trl_run, trl_tokenized, write_jsonl
+from tests.dpo_reference import (
+    ADAM_EPS,
+    EVAL_METRICS,
+    cached,
+    preference_records,
+    trl_run,
+    trl_tokenized,
+    write_jsonl,
+)
 from tests.helpers import TOKENIZER, run, run_worker, save_tiny_llama, save_tiny_moe
+from tests.reference import best_fit_decreasing
 from tests.test_lora import save_peft_adapter
 from tests.test_parity import reference_cache_dir
 from tests.tolerance import RTOL, assert_close
-from tests.workers.dpo_runs import GLOBAL_BATCH, LR, MAX_LEN, SCENARIOS, STEPS
+from tests.workers.dpo_runs import EVAL_EVERY, GLOBAL_BATCH, LR, MAX_LEN, SCENARIOS, STEPS
 
 LN2 = float(torch.tensor(math.log(2.0)))  # -log σ(0) in fp32: each pair's loss at step 1
 PAIRS = STEPS * GLOBAL_BATCH + 1  # a step's pairs each step, and one dropped (its prompt fills max_len)
-FIGURES = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
+EVAL_PAIRS = 8
+FIGURES = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins")
+FIGURES += ("logps/chosen", "logps/rejected")
+ALL = {**SCENARIOS[1], **SCENARIOS[4]}
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +64,22 @@ def inputs(tmp_path_factory):
     records = {
         "pairs": preference_records(PAIRS),
         "full": preference_records(PAIRS, seed=1, long=True),
-        "equal": [{**record, "rejected": record["chosen"]} for record in preference_records(PAIRS, seed=2)],
+        "test": preference_records(EVAL_PAIRS, seed=3, overlong=False),  # held out: the eval scenarios'
     }
     llama = save_tiny_llama(root / "llama", tied=False)
     save_peft_adapter(llama)  # llama/adapter: non-zero A and B on every projection, written by PEFT
+    split = root / "split"  # a folder of two splits: data.eval_split=test
+    split.mkdir()
+    write_jsonl(split / "train.jsonl", records["pairs"])
+    write_jsonl(split / "test.jsonl", records["test"])
     return {
         "llama": llama,
         "adapter": llama / "adapter",
+        "ref": save_tiny_llama(root / "ref", tied=False, seed=1),  # dpo.ref_model: another model
         "moe": save_tiny_moe(root / "moe"),
         "records": records,
-        **{kind: write_jsonl(root / f"{kind}.jsonl", rows) for kind, rows in records.items()},
+        "split": split,
+        **{kind: write_jsonl(root / f"{kind}.jsonl", records[kind]) for kind in ("pairs", "full")},
     }
 
 
@@ -69,7 +87,7 @@ def inputs(tmp_path_factory):
 def runs(inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("dpo_runs")
     args = ["--out", str(out)]
-    for name in ("llama", "moe", "pairs", "full", "equal", "adapter"):
+    for name in ("llama", "moe", "ref", "pairs", "full", "split", "adapter"):
         args += [f"--{name}", str(inputs[name])]
     # while developing: DTRAIN_DPO_ONLY=1x1_sigmoid,dp4_ipo runs only those (the other tests then fail)
     args += ["--only", os.environ.get("DTRAIN_DPO_ONLY", "")]
@@ -80,50 +98,80 @@ def runs(inputs, tmp_path_factory):
 
 
 def trl_settings(overrides: dict) -> dict:
-    """DPOConfig's keywords for a scenario's dpo.* overrides (RPO: TRL's `sft` loss type, weighted)."""
+    """DPOConfig's keywords for a scenario's dpo.* overrides: the same names (dpo.reference has no
+    DPOConfig key: TRL's live and precomputed references are the same; dpo.ref_model is the trainer's
+    ref_model)."""
     types = overrides.get("dpo.loss_type", "sigmoid")
     settings = {"beta": 0.1, "loss_type": [types] if isinstance(types, str) else types}
-    if "dpo.loss_weights" in overrides:
-        settings["loss_weights"] = overrides["dpo.loss_weights"]
-    if "dpo.label_smoothing" in overrides:
-        settings["label_smoothing"] = overrides["dpo.label_smoothing"]
-    if "dpo.sft_weight" in overrides:
-        settings |= {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, overrides["dpo.sft_weight"]]}
+    for key, value in overrides.items():
+        if key.startswith("dpo.") and key not in ("dpo.loss_type", "dpo.reference", "dpo.ref_model"):
+            settings[key.removeprefix("dpo.")] = value
     return settings
 
 
 def reference(inputs, runs, name: str, cache: Path) -> dict:
-    """TRL's run of the scenario `name`: its model, records and loss; LoRA from dtrain's initial A."""
-    model, data, overrides = {**SCENARIOS[1], **SCENARIOS[4]}[name]
+    """TRL's run of the scenario `name`: its model, records and loss; LoRA from dtrain's initial A;
+    the eval scenarios' held-out pairs as its eval_dataset."""
+    model, data, overrides = ALL[name]
     settings = trl_settings(overrides)
     peft = adapters = None
     adapter = inputs["adapter"] if "lora.adapter" in overrides else None  # TRL from the same PEFT folder
+    ref_model = inputs["ref"] if "dpo.ref_model" in overrides else None
     if "lora.r" in overrides:
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         peft = dict(r=overrides["lora.r"], lora_alpha=overrides["lora.alpha"], target_modules=targets)
         adapters = runs[name]["adapters"]
-    key = [model, data, settings, peft, adapter is not None, STEPS, GLOBAL_BATCH, LR, MAX_LEN]
-    key += [inputs["records"][data]]
+    records = inputs["records"]["pairs" if data == "split" else data]
+    evals = inputs["records"]["test"] if data == "split" else None
+    key = [model, data, settings, peft, adapter is not None, ref_model is not None]
+    key += [STEPS, GLOBAL_BATCH, LR, ADAM_EPS, MAX_LEN, records, evals, EVAL_EVERY]
     key += [sorted((k, v.sum().item()) for k, v in (adapters or {}).items())]
 
     def compute() -> dict:
-        records = inputs["records"][data]
         return trl_run(
-            inputs[model], records, STEPS, GLOBAL_BATCH, LR, MAX_LEN, peft, adapters, adapter, **settings
-        )
+            inputs[model], records, STEPS, GLOBAL_BATCH, LR, MAX_LEN, peft, adapters, adapter,
+            ref_model, evals, EVAL_EVERY, **settings,
+        )  # fmt: skip
 
     return cached(cache, "trl-dpo", key, compute)
 
 
-COMPARED = sorted(name for name in {**SCENARIOS[1], **SCENARIOS[4]} if name not in ("1x1_equal", "resumed"))
+COMPARED = sorted(name for name in ALL if name != "resumed")
+EVALUATED = sorted(name for name in COMPARED if ALL[name][1] == "split")
 
 
-def assert_step_close(record: dict, expected: dict, step: int, what: str) -> None:
-    """FIGURES of one step at RTOL (module docstring); the rewards (β × a log-ratio: a difference of
-    two log-probabilities of ~|logps|) with the absolute noise of what was subtracted, β·RTOL·|logps|."""
-    scale = 0.1 * RTOL * (abs(expected["logps/chosen"][step]) + abs(expected["logps/rejected"][step]))
-    for key in FIGURES:
+def training(history: list[dict]) -> list[dict]:
+    """The training steps' records of a history (its eval lines left out)."""
+    return [record for record in history if "loss" in record]
+
+
+# f-DPO's score of a log-ratio r is f'(e^r): forward_kl 1 − e^−r, js_divergence log 2 + log σ(r),
+# alpha_divergence (e^((α−1)r) − 1)/(α − 1). The relative change of its derivative per unit of r is at
+# most κ (1, 1, |α − 1|), so a pair's loss gradient carries κ times the log-ratio's absolute noise,
+# RTOL·|logps|, besides its own RTOL (module docstring): not shrunk by β as the sigmoid's argument is.
+KAPPA = {"reverse_kl": 0.0, "forward_kl": 1.0, "js_divergence": 1.0}
+
+
+def kappa(overrides: dict) -> float:
+    divergence = overrides.get("dpo.f_divergence_type", "reverse_kl")
+    if divergence == "alpha_divergence":
+        return abs(overrides.get("dpo.f_alpha_divergence_coef", 0.5) - 1.0)
+    return KAPPA[divergence]
+
+
+def assert_step_close(
+    record: dict, expected: dict, step: int, what: str, keys=FIGURES, amplified: float = 0.0
+) -> None:
+    """FIGURES (or `keys`) of one step at RTOL (module docstring); the rewards (β × a log-ratio: a
+    difference of two log-probabilities of ~|logps|) with the absolute noise of what was subtracted,
+    β·RTOL·|logps|; with an f-divergence (`amplified`: its κ) the loss and grad norm also with κ times
+    that noise relative (KAPPA)."""
+    logps = abs(expected["logps/chosen"][step]) + abs(expected["logps/rejected"][step])
+    scale = 0.1 * RTOL * logps
+    for key in keys:
         atol = scale if key.startswith("rewards/") else 1e-7
+        if key in ("loss", "grad_norm"):
+            atol += amplified * RTOL * logps * abs(expected[key][step])
         value, want = (
             torch.tensor(record[key], dtype=torch.float64),
             torch.tensor(expected[key][step], dtype=torch.float64),
@@ -134,40 +182,67 @@ def assert_step_close(record: dict, expected: dict, step: int, what: str) -> Non
 @pytest.mark.slow
 @pytest.mark.parametrize("name", COMPARED)
 def test_every_step_matches_trl(inputs, runs, tmp_path_factory, name):
-    """Every step's loss, grad norm, rewards and chosen log-probs within the module's error model of
-    TRL's, and its reward accuracy the same; TRL's own curve moves (not a vacuous match)."""
+    """Every step's loss, grad norm, rewards and chosen and rejected log-probs within the module's
+    error model of TRL's, and its reward accuracy the same; TRL's own curve moves (not a vacuous
+    match)."""
     ref = reference(inputs, runs, name, reference_cache_dir(tmp_path_factory))
-    history = runs[name]["history"]
+    history = training(runs[name]["history"])
     assert [record["step"] for record in history] == list(range(1, STEPS + 1))
     assert max(abs(loss - ref["loss"][0]) for loss in ref["loss"]) > 1e-3, ref["loss"]
     for step, record in enumerate(history):
-        assert_step_close(record, ref, step, name)
+        assert_step_close(record, ref, step, name, amplified=kappa(ALL[name][2]))
         assert record["rewards/accuracies"] == ref["rewards/accuracies"][step], f"{name} step {step + 1}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted({**SCENARIOS[1], **SCENARIOS[4]}))
+def test_trls_reward_accuracies_vary(inputs, runs, tmp_path_factory):
+    """The pairs make TRL's accuracy take values other than 0 and 1/2 after step 1 (a chosen/rejected
+    swap in dtrain's accuracy, 1 − it, then differs from it), and its chosen and rejected log-probs
+    differ (a copy of one in the other's place shows)."""
+    ref = reference(inputs, runs, "1x1_sigmoid", reference_cache_dir(tmp_path_factory))
+    assert set(ref["rewards/accuracies"][1:]) - {0.0, 0.5}, ref["rewards/accuracies"]
+    assert all(abs(c - r) > 1.0 for c, r in zip(ref["logps/chosen"], ref["logps/rejected"], strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EVALUATED)
+def test_eval_matches_trl(inputs, runs, tmp_path_factory, name):
+    """dtrain's eval of the held-out pairs after every step (train.eval_every) is TRL's (its eval_dataset
+    as one batch, eval_steps 1): eval_loss, the rewards and log-probs under TRL's `eval_` names at the
+    error model's tolerance, the accuracy the same; with the precomputed reference and with TR-DPO's
+    moved one."""
+    ref = reference(inputs, runs, name, reference_cache_dir(tmp_path_factory))
+    evals = [record for record in runs[name]["history"] if "eval_loss" in record]
+    steps = list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
+    assert [record["step"] for record in evals] == [entry["step"] for entry in ref["eval"]] == steps
+    for record, entry in zip(evals, ref["eval"], strict=True):
+        expected = {key.removeprefix("eval_"): [entry[key]] for key in EVAL_METRICS}
+        got = {key.removeprefix("eval_"): record[key] for key in EVAL_METRICS}
+        keys = [key for key in got if key != "rewards/accuracies"]
+        assert_step_close(got, expected, 0, f"{name} eval", keys, kappa(ALL[name][2]))
+        assert got["rewards/accuracies"] == entry["eval_rewards/accuracies"], name
+        assert record["eval_tokens"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(name for name in ALL if "dpo.ref_model" not in ALL[name][2]))
 def test_first_step_is_the_reference_exactly(runs, name):
     """The reference is the starting policy: at step 1 every pair's margin is exactly 0, so no pair is
     accurate (TRL's strict >) and the sigmoid loss is exactly fp32's ln 2 (-log σ(0); the MoE's logged
     loss adds its aux term)."""
-    first = runs[name]["history"][0]
+    first = training(runs[name]["history"])[0]
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert first[key] == 0.0, f"{name}: {key} {first[key]}"
-    _, _, overrides = {**SCENARIOS[1], **SCENARIOS[4]}[name]
-    sigmoid = overrides.get("dpo.loss_type", "sigmoid") == "sigmoid" and "dpo.sft_weight" not in overrides
-    if sigmoid and "aux_loss" not in first:
+    _, _, overrides = ALL[name]
+    if overrides.get("dpo.loss_type", "sigmoid") == "sigmoid" and "aux_loss" not in first:
         assert first["loss"] == LN2, first["loss"]
 
 
-@pytest.mark.slow
-def test_pairs_with_chosen_equal_to_rejected_give_no_gradient(runs):
-    """chosen = rejected: the two log-probabilities are the same sums (in packed rows too), so every
-    step's loss is ln 2 and the gradient cancels to float noise (relative 1e-6 of a real step's)."""
-    real = runs["1x1_packed"]["history"][0]["grad_norm"]
-    for record in runs["1x1_equal"]["history"]:
-        assert record["loss"] == LN2
-        assert record["grad_norm"] < 1e-6 * real, record["grad_norm"]
+def assert_continues(history: list[dict], whole: list[dict], what: str) -> None:
+    assert [record["step"] for record in history] == list(range(1, STEPS + 1))
+    expected = {key: [record[key] for record in whole] for key in whole[0]}
+    for step, record in enumerate(history):
+        assert_step_close(record, expected, step, what)
 
 
 @pytest.mark.slow
@@ -179,10 +254,128 @@ def test_resumed_on_another_mesh_continues_the_uninterrupted_curve(runs):
     read, not computed again (from a policy that has moved: the curve would leave)."""
     resumed, whole = runs["resumed"], runs["dp4_sigmoid"]["history"]
     assert resumed["table_unchanged"]
-    assert [record["step"] for record in resumed["history"]] == list(range(1, STEPS + 1))
-    expected = {key: [record[key] for record in whole] for key in whole[0]}
-    for step, record in enumerate(resumed["history"]):
-        assert_step_close(record, expected, step, "resumed")
+    assert_continues(resumed["same"]["history"], whole, "resumed")
+    assert any("read the reference log-probs from" in line for line in resumed["same"]["lines"])
+
+
+@pytest.mark.slow
+def test_resumed_into_a_new_folder_reads_the_checkpoints_run_table(runs):
+    """checkpoint.resume=PATH into a new run folder: the reference table is read from the folder the
+    checkpoint belongs to (its log line names that file) and copied into the new folder byte for byte
+    (its own later resumes find it there); the curve continues the uninterrupted one."""
+    resumed, whole = runs["resumed"], runs["dp4_sigmoid"]["history"]
+    lines = resumed["new_folder"]["lines"]
+    read = [line for line in lines if "read the reference log-probs from" in line]
+    assert len(read) == 1 and read[0].endswith("resumed/reference_logps.safetensors"), lines
+    assert not any("computed again" in line for line in lines), lines
+    assert resumed["copied"]
+    assert_continues(resumed["new_folder"]["history"], whole, "resumed into a new folder")
+
+
+@pytest.mark.slow
+def test_a_truncated_reference_table_is_set_aside_and_computed_again(runs):
+    """The run folder's reference_logps.safetensors cut in half on disk, then the same run resumed: one
+    line says it cannot be read and is set aside (renamed unreadable-..., its bytes kept), the table is
+    computed again from the starting policy rebuilt (not from the moved policy: the curve would leave)
+    and written whole, and the run continues the uninterrupted curve (the recomputed table on another
+    mesh than the first: equal to the error model's tolerance)."""
+    resumed, whole = runs["resumed"], runs["dp4_sigmoid"]["history"]
+    lines = resumed["truncated"]["lines"]
+    aside = [line for line in lines if "cannot be read" in line]
+    assert len(aside) == 1 and "set aside as unreadable-reference_logps.safetensors" in aside[0], lines
+    assert resumed["set_aside"] and resumed["rewritten"]
+    assert_continues(resumed["truncated"]["history"], whole, "resumed after a truncated table")
+
+
+@pytest.mark.slow
+def test_the_moved_tr_dpo_reference_resumes_from_its_checkpoint(runs):
+    """TR-DPO's reference, moved by two syncs, is in the step-2 checkpoint: resumed from it on another
+    mesh (tp 2 × dp 2 → dp_shard 4), step 3 and its eval continue the uninterrupted run (itself TRL's;
+    dtrain against dtrain on purpose). A reference rebuilt from the starting policy instead would
+    leave the curve at step 3."""
+    whole, resumed = runs["tp2_dp2_tr_dpo"]["history"], runs["tp2_dp2_tr_dpo"]["resumed"]
+    assert [(record["step"], "loss" in record) for record in resumed] == [
+        (record["step"], "loss" in record) for record in whole
+    ]
+    trained, again = training(whole), training(resumed)
+    expected = {key: [record[key] for record in trained] for key in FIGURES}
+    for step, record in enumerate(again):
+        assert_step_close(record, expected, step, "TR-DPO resumed")
+    evals = [record for record in whole if "eval_loss" in record]
+    got = [record for record in resumed if "eval_loss" in record]
+    expected = {key.removeprefix("eval_"): [record[key] for record in evals] for key in EVAL_METRICS}
+    keys = [key.removeprefix("eval_") for key in EVAL_METRICS if "accuracies" not in key]
+    for step, record in enumerate(got):
+        figures = {key.removeprefix("eval_"): record[key] for key in EVAL_METRICS}
+        assert_step_close(figures, expected, step, "TR-DPO resumed eval", keys)
+
+
+@pytest.mark.slow
+def test_dtrain_raises_no_warning_of_its_own(runs):
+    """No scenario's run makes dtrain's own code warn (torch's FutureWarning that
+    all_gather_into_tensor is deprecated came from the reference table's gather on every precompute
+    run)."""
+    for name, saved in runs.items():
+        assert saved["warnings"] == [], (name, saved["warnings"])
+
+
+@pytest.mark.slow
+def test_the_start_line_says_which_reference(runs):
+    """The run's summary line names the reference it took: with LoRA from an adapter (precompute and
+    live: the starting adapter), with fresh LoRA (adapters_off: the base), another folder's model, and
+    TR-DPO's moving one."""
+    adapter = "the starting policy (the base with its starting adapters)"
+    said = {
+        "1x1_lora_adapter": f"dpo reference=precompute: {adapter}",
+        "1x1_lora_adapter_live": f"dpo reference=live: {adapter}, frozen",
+        "lora_tp2_dp2_sigmoid": "dpo reference=adapters_off: the policy with its LoRA adapters bypassed",
+        "1x1_ref_model": "dpo reference=precompute: the model in ",
+        "tp2_dp2_ref_model": "dpo reference=live: the model in ",
+        "1x1_tr_dpo": "dpo reference=live: the starting policy, frozen, run beside the policy, moved towards",
+    }
+    for name, words in said.items():
+        assert words in runs[name]["start"], (name, runs[name]["start"])
+
+
+COUNTED = ("1x1_sigmoid", "1x1_packed", "tp2_dp2_sigmoid", "cp2_tp2_sigmoid")
+SIDES = ("chosen_ids", "rejected_ids")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", COUNTED)
+def test_padding_and_throughput_figures_equal_a_count_from_the_rows(inputs, runs, tmp_path_factory, name):
+    """A DPO step's padding_fraction, input tokens (input_tokens_per_s × step_time_s: the slots of its
+    rows) and supervised tokens (tokens_per_s × step_time_s, and `tokens`) are a count made from TRL's
+    tokenization of its pairs (log_every=1): each micro-batch's 2·m sequences one per row of max_len
+    slots, or packed best-fit decreasing into as few rows as hold them (tests/reference.py's packer);
+    the micro-batches are the step's pairs m at a time whatever the rank (dp splits them, tp and cp
+    ranks share them: counted once)."""
+    records = inputs["records"]["pairs"]
+    tokenized = cached(
+        reference_cache_dir(tmp_path_factory),
+        "trl-tokenized",
+        [records, MAX_LEN],
+        lambda: trl_tokenized(inputs["llama"], records, MAX_LEN),
+    )
+    _, _, overrides = ALL[name]
+    micro, packed = overrides.get("train.micro_batch_size", 4), overrides.get("data.packing", False)
+    for step, record in enumerate(training(runs[name]["history"])):
+        pairs = tokenized[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
+        slots = filled = supervised = 0
+        for start in range(0, GLOBAL_BATCH, micro):
+            micro_batch = pairs[start : start + micro]
+            sides = [(pair["prompt_ids"], pair[side]) for pair in micro_batch for side in SIDES]
+            lengths = [len(prompt) + len(completion) for prompt, completion in sides]
+            rows = len(best_fit_decreasing(lengths, MAX_LEN)) if packed else len(lengths)
+            slots += rows * MAX_LEN
+            filled += sum(lengths)
+            supervised += sum(len(completion) for _, completion in sides)
+        where = f"{name} step {step + 1}"
+        assert record["tokens"] == supervised, where
+        assert record["padding_fraction"] == pytest.approx(1 - filled / slots, rel=1e-12), where
+        assert record["input_tokens_per_s"] * record["step_time_s"] == pytest.approx(slots, rel=1e-9), where
+        assert record["tokens_per_s"] * record["step_time_s"] == pytest.approx(supervised, rel=1e-9), where
+    assert packed == (slots < 2 * GLOBAL_BATCH * MAX_LEN)  # packing saved rows in the last step
 
 
 def dtrain_pairs(path: Path, max_len: int, **keys) -> list[dict[str, list[int]]]:
@@ -281,7 +474,7 @@ BAD = {
     "no_rejected": (
         [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}],
         [],
-        "example 1: key 'rejected' is missing or null",
+        "no_rejected.jsonl:2: key 'rejected' is missing or null",
     ),
     "prompts_disagree": (
         [
@@ -307,6 +500,27 @@ BAD = {
         [{"prompt": "a", "chosen": "b", "rejected": "c"}],
         ["dpo.loss_type=dpo_plus"],
         "dpo.loss_type='dpo_plus'",
+    ),
+    # TRL 1.16's sigmoid ignores it: refused rather than ignored
+    "label_smoothing": (
+        [{"prompt": "a", "chosen": "b", "rejected": "c"}],
+        ["dpo.label_smoothing=0.1"],
+        "dpo.label_smoothing=0.1: no loss of dpo.loss_type=['sigmoid'] reads it",
+    ),
+    "f_divergence": (
+        [{"prompt": "a", "chosen": "b", "rejected": "c"}],
+        ["dpo.loss_type=nca_pair", "dpo.f_divergence_type=js_divergence"],
+        "nca_pair has no f-divergence form",
+    ),
+    "sync_precompute": (
+        [{"prompt": "a", "chosen": "b", "rejected": "c"}],
+        ["dpo.sync_ref_model=true", "dpo.reference=precompute"],
+        "dpo.sync_ref_model=true moves the reference, which needs dpo.reference=live",
+    ),
+    "ref_model_folder": (
+        [{"prompt": "a", "chosen": "b", "rejected": "c"}],
+        ["dpo.ref_model=" + str(Path(__file__).parent)],
+        "no config.json in that folder",
     ),
 }
 

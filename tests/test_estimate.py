@@ -43,18 +43,19 @@ from tests.helpers import ROOT, one_interpreter_command, read_metrics, sft, work
 SCENARIO_PLAN = [sys.executable, "-m", "tests.estimate_scenarios"]
 SEED = ["+experiment=llama3_8b_seed", "estimate.world_size=4"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+PLAN_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the plans' warnings shown: their stderr is checked
 
 
-def start(command: list[str]) -> subprocess.Popen:
+def start(command: list[str], env: dict[str, str] = ENV) -> subprocess.Popen:
     return subprocess.Popen(
-        command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 
-def finish(process: subprocess.Popen, timeout: float = 900) -> str:  # a shared machine's timeout
+def finish(process: subprocess.Popen, timeout: float = 900) -> tuple[str, str]:  # a shared machine's timeout
     stdout, stderr = process.communicate(timeout=timeout)
     assert process.returncode == 0, f"{process.args}\n{stderr[-4000:]}"
-    return stdout
+    return stdout, stderr
 
 
 @pytest.fixture(scope="module")
@@ -101,20 +102,23 @@ def runs(tmp_path_factory):
         "real_1x1": start(worker_command(1, "estimate_real", "--out", str(out), *SINGLE)),
         # In one process: the scenarios planned with the real run's attention kernel (sdpa on a CPU),
         # and the plans the docs quote (Llama-3-8B at 32k at cp=2 and cp=1, LoRA on 8B).
-        "plans": start(SCENARIO_PLAN),
-        "cli": start(one_interpreter_command(cli, commands, module="dtrain.estimate.app")),
+        "plans": start(SCENARIO_PLAN, PLAN_ENV),
+        "cli": start(one_interpreter_command(cli, commands, module="dtrain.estimate.app"), PLAN_ENV),
     }
     try:
-        outputs = {key: finish(process) for key, process in processes.items()}
+        finished = {key: finish(process) for key, process in processes.items()}
     finally:
         for process in processes.values():
             if process.poll() is None:
                 process.kill()
+    outputs = {key: stdout for key, (stdout, _) in finished.items()}
+    outputs["stderr"] = {"plans": finished["plans"][1]}
     outcomes = json.loads((cli / "out.json").read_text())
     outputs["no_world_size"] = outcomes.pop("no_world_size")
     for name, outcome in outcomes.items():
         assert outcome["returncode"] == 0, f"{name}: {commands[name]}\n{outcome['stderr'][-4000:]}"
         outputs[name] = outcome["stdout"]
+        outputs["stderr"][name] = outcome["stderr"]
     outputs["real"] = {name: json.loads((out / f"{name}.json").read_text()) for name in SCENARIOS}
     outputs["plans"], outputs["docs"] = json.loads(outputs["plans"]).values()
     return outputs
@@ -125,8 +129,10 @@ def runs(tmp_path_factory):
 def test_model_state_equals_the_real_sharded_tensors(runs, name):
     planned = runs["plans"][name]["per_rank"]
     real = runs["real"][name]["real"]
-    for key in ("params", "grads", "optimizer", "reference"):  # reference: dtrain.dpo's live one
+    for key in ("params", "grads", "optimizer", "reference"):  # reference: dtrain.dpo's live one, grpo's
         assert planned[key] == real[key], key
+    if "generator" in real:  # dtrain.grpo's hf engine: its copy of the policy, counted by the planner
+        assert planned["generator"] == real["generator"] > 0
 
 
 # How close each scenario's planned peak is held to the real step's: what the plan achieves. Where it
@@ -151,7 +157,8 @@ def test_peak_is_an_independent_count_of_the_real_step(runs, name):
     and so, in the large-vocabulary scenario, would a plan that dropped the logits and the loss's
     temporaries on them."""
     planned = runs["plans"][name]
-    per_rank = planned["per_rank"]
+    per_rank = dict(planned["per_rank"])
+    per_rank["peak"] -= per_rank["generator"]  # dtrain.grpo's generator: counted, not part of the step
     counted = runs["real"][name]["counted"]
     assert (
         runs["real"][name]["accumulation"]
@@ -178,7 +185,8 @@ def test_peak_is_the_tracker_s_on_the_real_tensors(runs, name):
     planned = runs["plans"][name]
     real = runs["real"][name]["tracked"]
     assert real["micro_batches"] == planned["experiment"]["accumulation"]
-    assert planned["per_rank"]["peak"] == pytest.approx(real["peak"], rel=PEAK_TOLERANCE[name])
+    step_peak = planned["per_rank"]["peak"] - planned["per_rank"]["generator"]  # dtrain.grpo's: counted
+    assert step_peak == pytest.approx(real["peak"], rel=PEAK_TOLERANCE[name])
 
 
 @pytest.mark.slow
@@ -231,6 +239,17 @@ def test_the_planned_flex_kernel_matches_sdpa_forward_and_backward_on_cpu():
         grads.append((out, *torch.autograd.grad((out * out).sum(), (q, k, v))))
     for flex, sdpa in zip(*grads, strict=True):
         torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_plans_print_no_module_tracking_warning(runs):
+    """torch's "The module hierarchy tracking maybe be messed up", once per decoder layer and tracked
+    micro-batch (64 lines in a Llama-3-8B DPO plan), is not printed: it names transformers' rotary
+    `Func` module called inside its private copy, which nothing the plan reports is measured on
+    (dtrain/estimate/measure.py). The scenarios' plans (dtrain.dpo's among them) and the command
+    line's, warnings shown."""
+    for name, stderr in runs["stderr"].items():
+        assert "module hierarchy tracking" not in stderr, f"{name}:\n{stderr[-3000:]}"
 
 
 @pytest.mark.slow

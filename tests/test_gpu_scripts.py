@@ -1,7 +1,8 @@
 """The GPU scripts run in CI: `bench/gpu_all.sh --dry-run` goes through every step of the device run
 (bench/gpu_estimate_check.py's plan and real step, a 1-process `torchrun -m dtrain.sft` in bf16,
-its LoRA, QLoRA and dtrain.dpo LoRA runs, the mixture-of-experts run, bench/gpu_check.py's
-variants) on the CPU with tiny shapes, over the same code as on CUDA, so the first lent GPU is not
+its LoRA, QLoRA and dtrain.dpo LoRA runs, dtrain.grpo's embedded default, the mixture-of-experts run,
+bench/gpu_check.py's variants, bench/gpu_rollout_check.py's comparisons of log-probs over a stand-in
+for vLLM) on the CPU with tiny shapes, over the same code as on CUDA, so the first lent GPU is not
 spent on an ImportError or a bad flag. No figure here is a GPU figure."""
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ def test_gpu_all_dry_run_runs_every_check(tmp_path):
         "lora": "ok",
         "qlora": "ok",
         "dpo": "ok",
+        "grpo": "ok",
         "cuda_tests": "none",
         "moe": "ok",
         "gpu_check": "ok",
+        "rollout": "ok",
     }
     assert rows == expected, rows
 
@@ -53,6 +56,12 @@ def test_gpu_all_dry_run_runs_every_check(tmp_path):
     assert read_metrics(out / "qlora")[-1]["step"] == 2  # QLoRA's (10 on the GPU: 70B-shaped layers)
     dpo = read_metrics(out / "dpo")  # the DPO LoRA row's (10 on the GPU: Llama-3-8B)
     assert dpo[-1]["step"] == 2 and "rewards/accuracies" in dpo[-1]
+    grpo = read_metrics(out / "grpo")  # dtrain.grpo's embedded default, hf engine (10 steps on the GPU)
+    assert grpo[-1]["step"] == 2 and grpo[-1]["reward"] is not None and grpo[-1]["time/rollout_s"] > 0
+
+    rollout = json.loads((out / "rollout.json").read_text())  # the stand-in's figures, not vLLM's
+    assert rollout["failed"] == [] and rollout["synced"]["tokens"] > 0, rollout
+    assert rollout["stale"]["vllm_vs_trainer"]["max"] > rollout["stale"]["tolerance"], rollout
 
     check = json.loads((out / "gpu_check.json").read_text())
     assert check["failed"] == [], check["failed"]

@@ -217,7 +217,7 @@ def test_slurm_passes_sigusr1_on_requeues_on_75_and_the_requeued_job_resumes(tmp
         "OMP_NUM_THREADS": "1",
     }
     command = ["bash", str(ROOT / "launch" / "slurm.sbatch"), "train.max_steps=5", "train.log_every=1"]
-    run_dir = tmp_path / "outputs" / "embedded"
+    run_dir = tmp_path / "outputs" / "sft" / "embedded"
     code, output = signal_mid_run(command, tmp_path, env, run_dir, signal.SIGUSR1)
     assert code == 75, output[-3000:]
     assert "received SIGUSR1" in output and "dtrain: preempted: requeueing job 4242" in output
@@ -228,7 +228,7 @@ def test_slurm_passes_sigusr1_on_requeues_on_75_and_the_requeued_job_resumes(tmp
 
     code, output = signal_mid_run(command, tmp_path, {**env, "DTRAIN_TEST_STEP_SLEEP_S": "0"}, run_dir, None)
     assert code == 0, output[-3000:]
-    assert f"resuming outputs/embedded at step {saved}" in output
+    assert f"resuming outputs/sft/embedded at step {saved}" in output
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
     assert (tmp_path / "stubs.log").read_text().count("requeue") == 1  # not after a finished run
 

@@ -47,12 +47,13 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dtrain.checkpoint import COMPLETE, find_resume_path
 from dtrain.config import CheckpointConfig
-from dtrain.hydra_glue import run_name
-from tests.helpers import ROOT, read_metrics, sft, wandb_records
+from dtrain.hydra_glue import run_name, with_embedded_defaults
+from dtrain.objectives.dpo import SPEC as DPO
+from tests.helpers import ROOT, read_metrics, run, sft, wandb_records, worker_command
 
 STEPS = 6
 COMMAND = [f"train.max_steps={STEPS}", "train.log_every=1", "logging.wandb.mode=offline"]
-NAME = "embedded"  # the folder the embedded default's command names: outputs/embedded
+NAME = "sft/embedded"  # the folder the embedded default's command names: outputs/sft/embedded
 SLOW_STEPS = {"DTRAIN_TEST_STEP_SLEEP_S": "1"}  # a signal lands mid-run, not after the last step
 MINUTES_PER_STEP = 11  # the reference's clock: checkpoint.every_minutes (30) passes during step 4
 
@@ -259,7 +260,9 @@ def test_sigterm_ctrl_c_and_a_signal_in_the_last_step_then_the_same_command_resu
     assert "received SIGUSR1" in output and "preempted" not in output
     assert saved_steps(tmp_path)[-1] == STEPS
     assert_same_curve(records(tmp_path), reference)
-    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == [NAME]  # one folder, found again
+    assert [p.relative_to(tmp_path / "outputs").as_posix() for p in (tmp_path / "outputs").glob("*/*")] == [
+        NAME
+    ]  # one folder, found again
 
     # W&B: three launches, one run id (the run folder's), and each step logged to it once.
     run_dir = tmp_path / "outputs" / NAME
@@ -277,6 +280,20 @@ def test_sigterm_ctrl_c_and_a_signal_in_the_last_step_then_the_same_command_resu
                 assert items["_step"] not in logged, items["_step"]
                 logged[items["_step"]] = items["loss"]
     assert logged == {r["step"]: r["loss"] for r in records(tmp_path)}
+
+    # The finished run rerun with a smaller train.max_steps: one line, exit code 0, and the folder as
+    # it was (config.yaml still says what it holds; Hydra's record put back; its log says what happened).
+    files = [path for path in run_dir.rglob("*") if path.is_file() and path.suffix != ".log"]
+    kept = {path: path.read_bytes() for path in files}
+    code, output = launch(tmp_path, *COMMAND, "train.max_steps=3")
+    assert code == 0, output[-3000:]
+    (said,) = [line for line in output.splitlines() if "nothing to train" in line]
+    assert said.endswith(
+        f"outputs/{NAME} is at step {STEPS}, past train.max_steps=3: nothing to train, and the folder is "
+        "left as it was (a larger train.max_steps continues the run; checkpoint.resume=never starts it over)"
+    ), output[-3000:]
+    assert {path: path.read_bytes() for path in kept if path.is_file()} == kept
+    assert f"max_steps: {STEPS}" in (run_dir / "config.yaml").read_text()
 
 
 @pytest.mark.slow
@@ -445,14 +462,40 @@ def test_failures_before_the_process_group_are_one_line_and_exit_code_2(tmp_path
     assert (other_run / "outputs" / NAME / "metrics.jsonl").read_text().count("\n") == 1  # untouched
 
 
+@pytest.mark.slow
+def test_a_refused_start_on_4_ranks_leaves_nothing_whichever_rank_starts_first(tmp_path):
+    """4 ranks of dtrain.dpo, rank 0 starting after the others (tests/workers/rank0_last): a value
+    refused before the process group (the run folder named by the command) and data refused after it
+    (config.yaml written; hydra.run.dir given): exit code 2, one line, and nothing left behind. Before,
+    another rank's Hydra made the run folder first, and rank 0, finding it made, left config.yaml,
+    .hydra/ and dpo.log there."""
+    bad = tmp_path / "bad.jsonl"  # a pair without its rejected completion: refused while tokenizing
+    pair = {"prompt": "a", "chosen": "b", "rejected": "c"}
+    bad.write_text("".join(json.dumps(record) + "\n" for record in (pair, {**pair, "rejected": None})))
+    refused = ["dpo.beta=-1"]
+    named = Path("outputs") / "dpo" / run_name(with_embedded_defaults(refused, DPO.embedded))
+    cases = [
+        (refused, named, "dpo.beta=-1.0: must be > 0"),
+        ([f"data.path={bad}", "hydra.run.dir=runs/bad"], Path("runs/bad"), "'rejected' is missing or null"),
+    ]
+    for case, (overrides, folder, message) in enumerate(cases):
+        cwd = tmp_path / f"case{case}"
+        cwd.mkdir()
+        args = [*overrides, "logging.wandb.mode=disabled"]
+        result = run(worker_command(4, "rank0_last", "dpo", str(cwd), str(cwd / folder), *args), timeout=600)
+        errors = [line for line in result.stdout.splitlines() if line.startswith("dtrain: error:")]
+        assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stdout[-3000:]
+        assert sorted(cwd.iterdir()) == [], sorted(cwd.rglob("*"))
+
+
 def test_the_run_folder_is_named_by_what_is_trained():
     """The same command names the same folder in any order; overrides of what is trained name
     another; the mesh, the step count, logging and checkpointing do not (they resume the run)."""
     embedded = ["+experiment=embedded"]
-    assert run_name(embedded) == NAME
-    assert run_name([*embedded, "parallel.tp=1", "train.max_steps=9", "checkpoint.every=5"]) == NAME
+    assert f"sft/{run_name(embedded)}" == NAME
+    assert run_name([*embedded, "parallel.tp=1", "train.max_steps=9", "checkpoint.every=5"]) == "embedded"
     lr = run_name([*embedded, "optim.lr=1e-4", "train.seed=3"])
-    assert lr == run_name(["train.seed=3", "optim.lr=1e-4", *embedded]) != NAME
+    assert lr == run_name(["train.seed=3", "optim.lr=1e-4", *embedded]) != "embedded"
     assert run_name([*embedded, "optim.lr=1e-3", "train.seed=3"]) != lr
     assert run_name(["model.name_or_path=/a/llama", "data.path=/d/x.jsonl"]).startswith("llama-")
     assert run_name(["model.name_or_path=/a/llama", "data.path=/d/x.jsonl"]) != run_name(

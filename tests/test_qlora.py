@@ -329,6 +329,17 @@ def test_readme_command_trains_qlora_at_tp2_and_exports_an_adapter_peft_loads(mo
     assert relative_error(after, before) > 1e-7  # above fp32's rounding of unchanged logits (0)
 
 
+def test_the_start_line_says_nf4_and_the_exports_gather_without_torch_s_warning(runs):
+    """The README run's start line (rank 0's log) names the NF4 base, and the 4-rank launch's
+    exports (2x2's adapter and merged folders, the README run's adapter) gathered the adapters,
+    (_StridedShard, Shard) DTensors, without torch's warning about unmergeable all-gathers (an
+    all-gather reduces nothing; the exported values are checked against PEFT above)."""
+    log = (runs["out"] / "readme" / "sft.log").read_text()
+    (summary,) = [line for line in log.splitlines() if "| mesh " in line]
+    assert "LoRA r=16, alpha 8, on an NF4 base (QLoRA; the rest fp32)" in summary, summary
+    assert json.loads((runs["out"] / "torch_warnings.json").read_text()) == []
+
+
 def test_nf4_without_lora_fails_before_any_process_group_with_one_line(model, tmp_path):
     args = [f"model.name_or_path={model['folder']}", f"data.path={model['data']}", "data.input_key=question"]
     outcome = run_in_one_interpreter(tmp_path / "cli", {"nf4": [*args, "lora.base_dtype=nf4"]})["nf4"]

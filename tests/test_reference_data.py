@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from dtrain.config import TrainConfig
 from dtrain.data.pipeline import build_data
-from tests import reference, tolerance
+from tests import distill_reference, grpo_reference, reference, tolerance
 from tests.helpers import DATASET, GLOBAL_BATCH, MAX_LEN, STEPS, TOKENIZER, parity_config
 
 pytestmark = pytest.mark.slow  # tokenizing the 4000 records twice (dtrain's map, the reference's loop)
@@ -130,11 +130,14 @@ def absolute_imports(module) -> set[str]:
     return imported
 
 
-def test_the_reference_imports_nothing_of_dtrain():
-    """tests/reference.py's independence, read from its import statements: neither dtrain nor the
-    tests' own modules (tests.helpers imports dtrain), but tests.tolerance (the AdamW allowance it
-    sizes from its own run), which imports neither."""
-    imported = absolute_imports(reference)
+@pytest.mark.parametrize(
+    "module", [reference, grpo_reference, distill_reference], ids=lambda module: module.__name__
+)
+def test_the_reference_imports_nothing_of_dtrain(module):
+    """The independence of tests/reference.py, grpo_reference.py and distill_reference.py, read from
+    their import statements: neither dtrain nor the tests' own modules (tests.helpers imports dtrain), but
+    tests.tolerance (the AdamW allowance each sizes from its own run), which imports neither."""
+    imported = absolute_imports(module)
     ours = {name for name in imported if name.split(".")[0] in ("dtrain", "tests")}
     assert imported and ours == {"tests.tolerance"}, imported
     own = {name for name in absolute_imports(tolerance) if name.split(".")[0] in ("dtrain", "tests")}

@@ -1,5 +1,5 @@
 """Regenerate dtrain's embedded default assets: a tiny SFT dataset, preference pairs on the same
-tasks (dtrain.dpo's), and a tokenizer.
+tasks (dtrain.dpo's), prompts with their solutions (dtrain.grpo's), and a tokenizer.
 
 dtrain ships these so that training, tests and smoke runs work offline with no
 Hugging Face hub access. The dataset mixes four simple deterministic tasks that
@@ -173,6 +173,16 @@ def make_preference_rows(rng: random.Random, rows: list[dict[str, str]], count: 
     return pairs
 
 
+def make_prompt_rows(rows: list[dict[str, str]], count: int) -> list[dict]:
+    """dtrain.grpo's embedded prompts: the first `count` prompts as chat messages, each with its right
+    response as `solution` (TRL's prompt-only conversational format; the reward functions get the
+    column)."""
+    return [
+        {"prompt": [{"role": "user", "content": row["prompt"]}], "solution": row["response"]}
+        for row in rows[:count]
+    ]
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for row in rows:
@@ -180,13 +190,14 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def main() -> None:
-    """Write ``sft_tiny.jsonl``, ``dpo_tiny.jsonl`` and the tokenizer of ``tiny_llama/`` under
-    ``dtrain/assets``."""
+    """Write ``sft_tiny.jsonl``, ``dpo_tiny.jsonl``, ``grpo_tiny.jsonl`` and the tokenizer of
+    ``tiny_llama/`` under ``dtrain/assets``."""
     rng = random.Random(SEED)
     rows = make_rows(rng)
     ASSETS.mkdir(parents=True, exist_ok=True)
     write_jsonl(ASSETS / "sft_tiny.jsonl", rows)
     write_jsonl(ASSETS / "dpo_tiny.jsonl", make_preference_rows(random.Random(SEED + 1), rows, 512))
+    write_jsonl(ASSETS / "grpo_tiny.jsonl", make_prompt_rows(rows, 1024))
     model_dir = ASSETS / "tiny_llama"  # its config.json (the architecture) is kept as it is
     for p in model_dir.glob("*"):
         if p.name != "config.json":

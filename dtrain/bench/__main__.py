@@ -6,7 +6,9 @@ installed), by dtrain's step on a 1×1 mesh, and by dtrain on the meshes the mac
 On CPU the figures are CPU figures (gloo) and the table says so. Then (--moe) a second table, a
 small Qwen3-MoE with HF's router aux loss: the plain loop, dtrain 1×1 with each moe.aux_scope, and
 dtrain with ep = 2 on 2 processes, each against that plain loop. Then (--dpo) dtrain.dpo's step on
-1×1, unpacked and packed, beside TRL's DPOTrainer (dtrain/bench/dpo.py; needs trl).
+1×1, unpacked and packed, beside TRL's DPOTrainer (dtrain/bench/dpo.py; needs trl). Then (--distill)
+dtrain.distill's offline step beside TRL's GKDTrainer on a tiny student and teacher, and the
+divergence's memory against TRL's dense and chunked ones on Llama-3-sized heads (dtrain/bench/distill.py).
 
 The variants are in dtrain/bench/variants.py, the Hugging Face Trainer's in hf_trainer.py (a
 process of its own); this module runs them and prints the table."""
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dtrain.bench import dpo
+from dtrain.bench import distill, dpo
 from dtrain.bench.variants import (
     TINY_MOE_MODEL,
     Result,
@@ -50,10 +52,12 @@ def run_worker(kind: str, args: argparse.Namespace, nproc: int) -> list[dict] | 
         forwarded = [
             a
             for a in forwarded
-            if not a.startswith(("--worker", "--out", "--meshes", "--hf", "--lora", "--moe", "--dpo="))
+            if not a.startswith(
+                ("--worker", "--out", "--meshes", "--hf", "--lora", "--moe", "--dpo=", "--distill=")
+            )
         ]
         module = ["-m", "dtrain.bench", "--worker", kind, "--out", str(out), *forwarded]
-        if kind in ("trainer", "dpo_trl"):
+        if kind in ("trainer", "dpo_trl", "distill_trl"):
             command = [sys.executable, *module]
         else:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -123,6 +127,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--dpo-seq", type=int, default=32, help="DPO: data.max_len (TRL's max_length)")
     parser.add_argument("--dpo-folder", help=argparse.SUPPRESS)  # internal: the DPO rows' model and pairs
+    parser.add_argument(
+        "--distill",
+        type=int,
+        default=1,
+        help="1: add the distillation tables (TRL's GKDTrainer, dtrain.distill)",
+    )
+    parser.add_argument("--distill-records", type=int, default=16, help="distillation: records a step")
+    parser.add_argument("--distill-seq", type=int, default=32, help="distillation: data.max_len")
+    parser.add_argument("--distill-folder", help=argparse.SUPPRESS)  # internal: its models and records
     parser.add_argument("--worker-timeout", type=int, default=600)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a mesh (DPxTP) or 'trainer'
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -139,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
             results = trainer_worker(setup, args)
         elif args.worker == "dpo_trl":
             results = dpo.trl_worker(Setup(batch=args.dpo_pairs, seq=args.dpo_seq), args)
+        elif args.worker == "distill_trl":
+            results = distill.trl_worker(args)
         else:
             results = mesh_worker(args.worker, setup, args)
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -187,6 +202,21 @@ def main(argv: list[str] | None = None) -> None:
             f"DPO, {args.dpo_pairs} pairs a step, max_len {args.dpo_seq}, "
             f"{setup.precision}; non-pad tokens; {rounds}",
         )
+    if args.distill and importlib.util.find_spec("trl") is None:
+        print("\ndistillation: not run (the TRL baselines need trl, which is not installed)")
+    elif args.distill:
+        print()
+        print_table(
+            distill_results(args, device),
+            device,
+            f"distillation (offline, beta {distill.BETA}), {args.distill_records} records a step, max_len "
+            f"{args.distill_seq}, fp32; non-pad tokens, scored ones; {rounds}",
+        )
+        print()
+        print("the divergence's temporaries (forward + backward, fake tensors), GiB: Llama-3-70B teacher and")
+        print("Llama-3-8B student heads (vocabulary 128256), 2 x 2048 scored tokens")
+        for name, gib in distill.divergence_memory():
+            print(f"  {name:<60}{gib:8.2f}")
 
 
 def dpo_results(args: argparse.Namespace, device: torch.device) -> list[Result | str]:
@@ -201,6 +231,19 @@ def dpo_results(args: argparse.Namespace, device: torch.device) -> list[Result |
             [Result(**r) for r in found] if isinstance(found, list) else [f"TRL DPOTrainer: {found}"]
         )
         return results + dpo.dtrain_results(setup, Path(folder), device, args)
+
+
+def distill_results(args: argparse.Namespace, device: torch.device) -> list[Result | str]:
+    """TRL's GKDTrainer (its process; the ratio's base) and dtrain.distill 1×1 unpacked and packed."""
+    with tempfile.TemporaryDirectory() as folder:
+        args.distill_folder = str(distill.save_models(args.distill_records, Path(folder)))
+        found = run_worker("distill_trl", args, 1)
+        results: list[Result | str] = (
+            [Result(**r) for r in found] if isinstance(found, list) else [f"TRL GKDTrainer: {found}"]
+        )
+        return results + distill.dtrain_results(
+            args.distill_records, args.distill_seq, Path(folder), device, args
+        )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ from dtrain.data.pipeline import build_data
 from dtrain.distributed import build_parallel
 from dtrain.loss import IGNORE, LossSettings
 from dtrain.model import build_model, load_model_config
-from dtrain.objective import build_objective
+from dtrain.objectives import Context, build_objective
+from dtrain.objectives.reference import Reference
 from dtrain.optim import build_optimizer, trainable_parameters
-from dtrain.reference import Reference
 from dtrain.step import local_micro_batch, optimizer_step
 
 PAIRS = Path(__file__).parents[1] / "assets" / "dpo_tiny.jsonl"
@@ -62,8 +62,8 @@ def dtrain_dpo(setup: Setup, folder: Path, device: torch.device, packed: bool) -
     pairs = build_data(config.data, config.train, load_tokenizer(str(folder)), 0, 1).train.rows
     mb = local_micro_batch(pairs.collate([pairs[i] for i in range(len(pairs))]), parallel)
     loss = LossSettings.of(config.parallel)
-    table = Reference("live", parallel, loss, model).forward(mb)  # the reference: the starting model's
-    objective = build_objective(config, model, parallel, lambda: model, lambda: table)
+    table = Reference("live", parallel, loss, config.dpo, model).forward(mb)  # the starting model's
+    objective = build_objective(Context(config, model, parallel, reference_table=lambda: table))
 
     def step() -> None:
         objective.begin_step([mb])

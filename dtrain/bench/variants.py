@@ -34,7 +34,7 @@ from dtrain.distributed import build_parallel, init_distributed
 from dtrain.loss import IGNORE
 from dtrain.metrics import flops_per_token
 from dtrain.model import build_model, load_model_config
-from dtrain.objective import build_objective
+from dtrain.objectives import Context, build_objective
 from dtrain.optim import build_optimizer, trainable_parameters
 from dtrain.parallel import nf4
 from dtrain.parallel.experts import idle_parameters
@@ -219,7 +219,7 @@ def dtrain_step(
     model = build_model(model_config, config, parallel, device)
     optimizer = build_optimizer(model, config.optim)
     params = trainable_parameters(model)
-    objective = build_objective(config, model, parallel)
+    objective = build_objective(Context(config, model, parallel))
     batch = with_filled_slots(mb)
 
     def step() -> None:

@@ -1,18 +1,23 @@
 """Records → token ids and a per-token supervision mask, one `Format` per data.format in FORMATS.
 
 Formats: `prompt_response` (one user turn, one assistant turn, optional system), `messages` (a list
-of {role, content}; loss on every assistant turn), `text` (loss on every token), and `preference`
+of {role, content}; loss on every assistant turn), `text` (loss on every token), `preference`
 (dtrain.dpo's pairs: a prompt and its chosen and rejected completions, tokenized as TRL's DPOTrainer
-tokenizes them; `Preference` below). The chat formats
-go through the tokenizer's chat template: the assistant tokens come from the template's
-`{% generation %}` markers when it has them; otherwise from rendering each prompt alone, which must
-be a token-level prefix of the full rendering (raises if not: templates and BPE merges at the seam
-make a string-level prefix mis-mask). Adding a format is adding a class and its FORMATS entry here.
+tokenizes them; `Preference` below), `prompt` (dtrain.grpo's prompts alone, tokenized as TRL's
+GRPOTrainer tokenizes them; `PromptOnly` below) and `prompt_completion` (dtrain.distill's: a prompt
+and its completion, tokenized as TRL's GKDTrainer and DistillationTrainer do; `PromptCompletion`
+below). The chat formats go through the tokenizer's chat template: the assistant tokens come from
+the template's `{% generation %}` markers when it has them; otherwise from rendering each prompt
+alone, which must be a token-level prefix of the full rendering (raises if not: templates and BPE
+merges at the seam make a string-level prefix mis-mask). Adding a format is adding a class and its
+FORMATS entry here.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import datasets
@@ -28,7 +33,13 @@ EMPTY, OVERLONG, NO_TARGET = (
     "overlong (data.overlong=drop)",
     "no response token within max_len",
 )
-KEPT = (OK, TRUNCATED)
+# A pair: a completion with no token at all (an empty list of messages; dropped, where TRL scores a
+# log-probability of 0), and one whose chosen and rejected completions are the same tokens within
+# max_len: kept, as TRL keeps it, but it has no preference to learn (zero gradient of every
+# preference loss), so a dataset of nothing else is refused.
+EMPTY_COMPLETION, SAME = "empty completion", "chosen = rejected"
+KEPT = (OK, TRUNCATED, SAME)
+NOTHING_TO_LEARN = (SAME,)  # kept, but a source needs one example that is not
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _IDS = datasets.Sequence(datasets.Value("int32"))
 # The tokenized dataset's columns: an SFT format's, and the preference format's (a pair).
@@ -38,6 +49,17 @@ FEATURES = datasets.Features(
 )
 PAIR_FEATURES = datasets.Features(
     {"prompt_ids": _IDS, "chosen_ids": _IDS, "rejected_ids": _IDS, "length": datasets.Value("int32")}
+    | {"status": datasets.Value("string")}
+)
+COMPLETION_FEATURES = datasets.Features(
+    {"prompt_ids": _IDS, "completion_ids": _IDS, "prompt": datasets.Value("string")}
+    | {"length": datasets.Value("int32"), "status": datasets.Value("string")}
+)
+
+# dtrain.grpo's prompts: the prompt's ids and the whole record as JSON (its other columns reach the
+# reward functions).
+PROMPT_FEATURES = datasets.Features(
+    {"prompt_ids": _IDS, "record": datasets.Value("string"), "length": datasets.Value("int32")}
     | {"status": datasets.Value("string")}
 )
 
@@ -306,9 +328,13 @@ class Preference(Format):
         completions = [ids[shared:] for ids in full]
         longest = max(len(ids) for ids in full)
         status = OK if longest <= max_len else TRUNCATED if overlong == "truncate" else OVERLONG
+        if not all(completions):  # nothing after the prompt: an empty list of messages
+            status = EMPTY_COMPLETION
         completions = [ids[: max(0, max_len - shared)] for ids in completions]
         if status in KEPT and not all(completions):  # the prompt fills max_len (TRL drops these too)
             status = NO_TARGET
+        elif status in KEPT and completions[0] == completions[1]:
+            status = SAME
         return {
             "prompt_ids": prompt_ids,
             "chosen_ids": completions[0],
@@ -328,6 +354,8 @@ def implicit_prompt(chosen: Any, rejected: Any, where: str) -> tuple[Any, Any, A
             if end > 0 and chosen[end - 1] == " ":  # strings: the completion keeps its leading space
                 end -= 1
             break
+    if end == 0 and chosen == rejected:
+        raise ConfigError(f"{where}: chosen and rejected are the same, with no assistant turn to compare")
     if end == 0:
         raise ConfigError(
             f"{where}: chosen and rejected share no prompt (implicit prompt: they must start alike)"
@@ -366,8 +394,125 @@ def common_prefix_length(ids: list[int], other: list[int]) -> int:
     return length
 
 
+class PromptOnly(Format):
+    """A prompt alone (dtrain.grpo), TRL's prompt-only format: `input_key` holds a string or a list of
+    {role, content}; every other column of the record goes with it to the reward functions (the
+    `record` column keeps them as JSON: {"prompt": ..., "columns": {...}}). Tokenized as TRL 1.16's
+    GRPOTrainer does: a string by the tokenizer with its special tokens (`add_special_tokens=True`),
+    messages by the chat template with the generation prompt. Never truncated (TRL has no prompt
+    length limit): dtrain.grpo refuses a prompt that leaves no room for grpo.max_completion_length in
+    data.max_len (dtrain/data/prompts.py)."""
+
+    name = "prompt"
+    keys = ("input_key",)
+    features = PROMPT_FEATURES
+
+    def example(self, record: dict[str, Any], where: str, settings: Settings) -> dict[str, Any]:
+        column, tokenizer = settings.source.input_key, settings.tokenizer
+        prompt = record.get(column)
+        if prompt is None:
+            raise ConfigError(f"{where}: key {column!r} is missing or null")
+        if isinstance(prompt, str):
+            ids = list(tokenizer(text=prompt)["input_ids"])
+        else:
+            messages = checked_messages(prompt, column, where)
+            ids = chat_ids(tokenizer, messages, where, generation_prompt=True)
+        columns = {key: value for key, value in record.items() if key != column}
+        return {
+            "prompt_ids": ids,
+            "record": json.dumps({"prompt": prompt, "columns": columns}, ensure_ascii=False, default=str),
+            "length": len(ids),
+            "status": OK if ids else EMPTY,
+        }
+
+
+class PromptCompletion(Format):
+    """A prompt and its completion (dtrain.distill), tokenized as TRL 1.16 does: `prompt_ids`, and the
+    `completion_ids` the loss scores (empty for a record with a prompt only: on-policy steps sample
+    its completions); `prompt`, the prompt as the record gives it (JSON: what a rollout file's lines
+    are matched on).
+
+    A record holds a conversation under `messages_key` (GKDTrainer's format: the last message is the
+    completion, the ones before it the prompt), or a prompt under `input_key` (a string or a list of
+    {role, content}) and optionally its completion under `output_key` (a string, or a list of
+    assistant messages). Conversations: the prompt rendered by the chat template with the generation
+    prompt; the completion is what follows the longest token prefix that rendering shares with the
+    whole conversation's (GKD's: the answer, the end-of-turn token and whatever the template writes
+    after it; an empty answer still scores those). A string prompt: the tokenizer on the text, its
+    special tokens added, no template (DistillationTrainer's standard prompts); its string completion
+    `tokenizer(text, add_special_tokens=False)` + EOS (the ids a sampled completion has). Cut to
+    data.max_len keeping the prompt whole (data.overlong=drop: any overlong record is dropped); a
+    prompt that fills data.max_len leaves nothing to score and is dropped."""
+
+    name = "prompt_completion"
+    keys = ()  # a conversation or a prompt: which columns a record needs is checked record by record
+    features = COMPLETION_FEATURES
+
+    def parts(self, record: dict[str, Any], source: Source, where: str) -> tuple[Any, Any]:
+        """(prompt, completion or None): strings, or lists of {role, content}."""
+        conversation = record.get(source.messages_key)
+        if conversation is not None:
+            messages = checked_messages(conversation, source.messages_key, where)
+            if len(messages) < 2 or messages[-1]["role"] != "assistant":
+                raise ConfigError(
+                    f"{where}: {source.messages_key!r} must end with an assistant message (the completion) "
+                    "after at least one prompt message"
+                )
+            return messages[:-1], messages[-1:]
+        prompt, completion = record.get(source.input_key), record.get(source.output_key)
+        if prompt is None:
+            raise ConfigError(
+                f"{where}: key {source.input_key!r} is missing or null (and no conversation under "
+                f"{source.messages_key!r})"
+            )
+        if not isinstance(prompt, str):
+            prompt = checked_messages(prompt, source.input_key, where)
+        if completion is not None and not isinstance(completion, str):
+            completion = checked_messages(completion, source.output_key, where)
+            if isinstance(prompt, str) or any(m["role"] != "assistant" for m in completion):
+                raise ConfigError(
+                    f"{where}: {source.output_key!r} as messages needs a conversational prompt and "
+                    "assistant messages only"
+                )
+        return prompt, completion
+
+    def example(self, record: dict[str, Any], where: str, settings: Settings) -> dict[str, Any]:
+        tokenizer, max_len = settings.tokenizer, settings.max_len
+        prompt, completion = self.parts(record, settings.source, where)
+        if isinstance(prompt, str):
+            prompt_ids = list(tokenizer(text=prompt)["input_ids"])
+            completion_ids = []
+            if completion is not None:
+                completion_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
+                completion_ids.append(tokenizer.eos_token_id)
+        else:
+            prompt_ids = chat_ids(tokenizer, prompt, where, generation_prompt=True)
+            completion_ids = []
+            if completion is not None:
+                if isinstance(completion, str):
+                    completion = [{"role": "assistant", "content": completion}]
+                whole = chat_ids(tokenizer, prompt + completion, where)
+                shared = common_prefix_length(prompt_ids, whole)
+                prompt_ids, completion_ids = prompt_ids[:shared], whole[shared:]
+        length = len(prompt_ids) + len(completion_ids)
+        status = OK if length <= max_len else TRUNCATED if settings.overlong == "truncate" else OVERLONG
+        completion_ids = completion_ids[: max(0, max_len - len(prompt_ids))]
+        if status in KEPT and len(prompt_ids) >= max_len:  # nothing to score, nothing to sample after
+            status = NO_TARGET
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            "prompt": json.dumps(prompt, ensure_ascii=False),
+            "length": len(prompt_ids) + len(completion_ids),
+            "status": status,
+        }
+
+
 # data.format's choices, by name.
-FORMATS: dict[str, Format] = {fmt.name: fmt for fmt in (PromptResponse(), Messages(), Text(), Preference())}
+FORMATS: dict[str, Format] = {
+    fmt.name: fmt
+    for fmt in (PromptResponse(), Messages(), Text(), Preference(), PromptOnly(), PromptCompletion())
+}
 
 
 def tokenize_example(
@@ -378,7 +523,10 @@ def tokenize_example(
     source: Source,
     max_len: int,
     overlong: str,
+    places: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
-    """One row of the tokenized dataset, by the source's format (its `features`)."""
+    """One row of the tokenized dataset, by the source's format (its `features`). `places` names the
+    example `index` in errors (sources.Places: FILE:LINE); without it, the source and the index."""
     settings = Settings(source, tokenizer, max_len, overlong)
-    return FORMATS[source.format].example(record, f"{source.where} example {index}", settings)
+    where = places(index) if places else f"{source.where} example {index}"
+    return FORMATS[source.format].example(record, where, settings)

@@ -84,3 +84,14 @@ def sequence_index(
         index[start : start + len(ids) - 1][targets] = sequence
         start += len(ids)
     return index
+
+
+def eval_pair_batches(pairs: Pairs, micro_batch_size: int, dp_rank: int, dp_size: int) -> list[dict]:
+    """Every eval pair once, split over dp ranks in contiguous shares of micro-batches of
+    `micro_batch_size` pairs; a rank short of pairs gets micro-batches with fewer or none (one row of
+    padding), so that every rank runs the same number of forwards (FSDP's collectives need it)."""
+    per_step = micro_batch_size * dp_size
+    per_rank = -(-len(pairs) // per_step) * micro_batch_size
+    start = dp_rank * per_rank
+    mine = [pairs[i] for i in range(start, min(start + per_rank, len(pairs)))]
+    return [pairs.collate(mine[i : i + micro_batch_size]) for i in range(0, per_rank, micro_batch_size)]

@@ -19,19 +19,22 @@ from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
 from dtrain.config import ConfigError, DataConfig, Source, TrainConfig
-from dtrain.data.formats import FORMATS, KEPT, TRUNCATED, pad_id, tokenize_example
+from dtrain.data.completions import Completions
+from dtrain.data.formats import FORMATS, KEPT, NOTHING_TO_LEARN, TRUNCATED, pad_id, tokenize_example
 from dtrain.data.loader import Rows, SFTLoader, eval_micro_batches
 from dtrain.data.packing import efficiency, one_per_row, pack
-from dtrain.data.pairs import Pairs
-from dtrain.data.sources import load_split
+from dtrain.data.pairs import Pairs, eval_pair_batches
+from dtrain.data.prompts import Prompts
+from dtrain.data.sources import Places, load_split, places
 
 log = logging.getLogger("dtrain")
 
 # Bump when tokenize_example or a format (formats.FORMATS) changes what it writes, so old cache
 # files are not reused.
-TOKENIZE_VERSION = 1
+TOKENIZE_VERSION = 2  # 2: the prompt_completion format (dtrain.distill)
 T = TypeVar("T")
 PREPARE_TIMEOUT_S = 24 * 3600  # how long ranks wait for local rank 0 to tokenize
+NAMED = 3  # the examples of each kind dropped (or kept with nothing to learn) that the start names
 
 
 @dataclass
@@ -40,17 +43,43 @@ class SFTData:
     eval: list[dict[str, torch.Tensor]] | None  # this dp rank's eval micro-batches
     num_examples: int  # training examples (before packing)
     efficiency: float  # non-pad tokens / slots of the training rows
+    # the examples of the training sources dropped, or kept with nothing to learn, by why (formats'
+    # statuses): for the start line
+    flagged: Counter = dataclasses.field(default_factory=Counter)
+
+    def examples(self) -> str:
+        """The training examples for the start line: how many, and those flagged, by why."""
+        dropped = [f"{n} {status}" for status, n in sorted(self.flagged.items()) if status not in KEPT]
+        idle = [f"{n} {status}" for status, n in sorted(self.flagged.items()) if status in NOTHING_TO_LEARN]
+        notes = []
+        if idle:
+            notes.append(f"kept with nothing to learn: {', '.join(idle)}")
+        if dropped:
+            notes.append(f"dropped: {', '.join(dropped)}")
+        return f"{self.num_examples} examples" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def build_data(
     data: DataConfig, train: TrainConfig, tokenizer: PreTrainedTokenizerBase, dp_rank: int, dp_size: int
 ) -> SFTData:
-    train_examples, eval_examples = once_per_machine(lambda: prepare(data, tokenizer, train.seed))
+    train_examples, eval_examples, flagged = once_per_machine(
+        lambda: prepare_counted(data, tokenizer, train.seed)
+    )
     rows = to_rows(train_examples, data, tokenizer)
-    if isinstance(rows, Pairs):  # packed per micro-batch: the fill is known as each one is built
+    if isinstance(rows, Prompts):  # completions come later (dtrain.grpo), packed per micro-batch
+        fill = 0.0
+        log.info(f"data: {len(rows)} training prompts, {train.global_batch_size} a generation")
+    elif isinstance(rows, Pairs):  # packed per micro-batch: the fill is known as each one is built
         fill = efficiency(column(train_examples, "length"), [[]] * (2 * len(rows)), data.max_len)
         log.info(
             f"data: {len(rows)} training pairs, two sequences each of at most {data.max_len} tokens "
+            f"({'packed per micro-batch' if data.packing else f'one per row: efficiency {fill:.1%}'})"
+        )
+    elif isinstance(rows, Completions):  # likewise, a sequence per example
+        fill = efficiency(column(train_examples, "length"), [[]] * len(rows), data.max_len)
+        log.info(
+            f"data: {len(rows)} training prompts with completions, a sequence each of at most "
+            f"{data.max_len} tokens "
             f"({'packed per micro-batch' if data.packing else f'one per row: efficiency {fill:.1%}'})"
         )
     else:
@@ -72,14 +101,21 @@ def build_data(
     evals = None
     if eval_examples is not None:
         eval_rows = to_rows(eval_examples, data, tokenizer)
-        evals = eval_micro_batches(eval_rows, train.micro_batch_size, dp_rank, dp_size)
+        batches = eval_pair_batches if isinstance(eval_rows, Pairs) else eval_micro_batches
+        evals = batches(eval_rows, train.micro_batch_size, dp_rank, dp_size)
         log.info(f"data: {len(eval_examples)} eval examples in {len(eval_rows)} rows")
-    return SFTData(loader, evals, len(train_examples), fill)
+    return SFTData(loader, evals, len(train_examples), fill, flagged)
 
 
-def to_rows(examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Rows | Pairs:
+def to_rows(
+    examples: datasets.Dataset, data: DataConfig, tokenizer: PreTrainedTokenizerBase
+) -> Rows | Pairs | Prompts | Completions:
+    if all(source.format == "prompt" for source in data.sources()):  # dtrain.grpo's prompts
+        return Prompts(examples)
     if data.preference:  # pairs, packed per micro-batch (dtrain/data/pairs.py)
         return Pairs(examples, data.max_len, pad_id(tokenizer), data.packing)
+    if data.completions:  # prompts with completions, packed per micro-batch (dtrain/data/completions.py)
+        return Completions(examples, data.max_len, pad_id(tokenizer), data.packing)
     layout = pack(column(examples, "length"), data.max_len) if data.packing else one_per_row(len(examples))
     return Rows(examples, layout, data.max_len, pad_id(tokenizer))
 
@@ -93,26 +129,38 @@ def prepare(
     data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """The training examples (mixed) and the eval examples (or None), tokenized and filtered."""
-    train_parts, eval_parts, weights = [], [], []
+    train_examples, eval_examples, _ = prepare_counted(data, tokenizer, seed)
+    return train_examples, eval_examples
+
+
+def prepare_counted(
+    data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
+) -> tuple[datasets.Dataset, datasets.Dataset | None, Counter]:
+    """prepare's, and the training sources' examples dropped or kept with nothing to learn, by why."""
+    train_parts, eval_parts, weights, flagged = [], [], [], Counter()
     for source in data.sources():
-        examples = tokenized(load_split(source, source.split), source, data, tokenizer)
+        examples, counts = tokenized(source.split, source, data, tokenizer)
+        flagged += counts
         if data.eval_fraction > 0:
             examples, held_out = hold_out(examples, data.eval_fraction, seed, source)
             eval_parts.append(held_out)
         elif data.eval_split is not None:
-            eval_parts.append(tokenized(load_split(source, data.eval_split), source, data, tokenizer))
+            eval_parts.append(tokenized(data.eval_split, source, data, tokenizer)[0])
         train_parts.append(examples)
         weights.append(source.weight)
     train_examples = mix(train_parts, weights, seed)
     eval_examples = datasets.concatenate_datasets(eval_parts) if eval_parts else None
-    return train_examples, eval_examples
+    return train_examples, eval_examples, flagged
 
 
 def tokenized(
-    dataset: datasets.Dataset, source: Source, data: DataConfig, tokenizer: PreTrainedTokenizerBase
-) -> datasets.Dataset:
-    """Tokenize with datasets.map (cached under a fingerprint of everything that shapes the result),
-    count why examples are dropped, keep the rest."""
+    split: str, source: Source, data: DataConfig, tokenizer: PreTrainedTokenizerBase
+) -> tuple[datasets.Dataset, Counter]:
+    """The source's split tokenized with datasets.map (cached under a fingerprint of everything that
+    shapes the result), its examples counted and named (FILE:LINE) by why they are dropped or have
+    nothing to learn, the kept ones; with those counts. A source with nothing to learn is refused."""
+    dataset = load_split(source, split)
+    named = places(source, split, dataset)
     settings = dict(max_len=data.max_len, overlong=data.overlong)
     fingerprint = Hasher.hash(
         [
@@ -125,7 +173,7 @@ def tokenized(
     )
     result = dataset.map(
         tokenize_example,
-        fn_kwargs=dict(tokenizer=tokenizer, source=source, **settings),
+        fn_kwargs=dict(tokenizer=tokenizer, source=source, places=named, **settings),
         with_indices=True,
         remove_columns=dataset.column_names,
         features=FORMATS[source.format].features,
@@ -135,19 +183,39 @@ def tokenized(
     )
     statuses = column(result, "status")
     counts = Counter(statuses)
-    dropped = {status: n for status, n in counts.items() if status not in KEPT}
-    log.info(
-        f"data: {source.path} [{dataset.split}]: "
-        f"{len(result)} examples, {counts[TRUNCATED]} truncated to data.max_len={data.max_len}, dropped "
-        + (", ".join(f"{n} {status}" for status, n in sorted(dropped.items())) or "none")
-    )
+    flagged = Counter({s: n for s, n in counts.items() if s not in KEPT or s in NOTHING_TO_LEARN})
+    if log.isEnabledFor(logging.INFO):  # rank 0 (the others log errors only): naming reads the files
+        what = described(statuses, counts, named, data)
+        log.info(f"data: {source.path} [{split}]: {len(result)} examples, {what}")
     keep = [i for i, status in enumerate(statuses) if status in KEPT]
-    if not keep:
+    if not keep or all(statuses[i] in NOTHING_TO_LEARN for i in keep):
+        left = "no example left after filtering" if not keep else "no example with anything to learn"
         raise ConfigError(
-            f"{source.where}: no example left after filtering ({dict(counts)}); "
-            "check data.format, the keys, data.max_len and data.overlong"
+            f"{source.where}: {left} ({dict(counts)}); check data.format, the keys, data.max_len and "
+            "data.overlong"
         )
-    return result.select(keep, keep_in_memory=True) if len(keep) < len(result) else result
+    examples = result.select(keep, keep_in_memory=True) if len(keep) < len(result) else result
+    return examples, flagged
+
+
+def described(statuses: list[str], counts: Counter, named: Places, data: DataConfig) -> str:
+    """What tokenizing did to a source's examples: truncated, dropped and kept with nothing to learn,
+    each kind counted and its first NAMED examples named (FILE:LINE)."""
+
+    def kinds(selected: list[str]) -> str:
+        parts = []
+        for status in selected:
+            first = [named(i) for i, s in enumerate(statuses) if s == status][:NAMED]
+            more = ", ..." if counts[status] > NAMED else ""
+            parts.append(f"{counts[status]} {status} ({', '.join(first)}{more})")
+        return ", ".join(parts)
+
+    dropped = sorted(status for status in counts if status not in KEPT)
+    text = f"{counts[TRUNCATED]} truncated to data.max_len={data.max_len}, dropped {kinds(dropped) or 'none'}"
+    nothing = sorted(status for status in counts if status in NOTHING_TO_LEARN)
+    if nothing:
+        text += f"; kept with nothing to learn (as TRL keeps them): {kinds(nothing)}"
+    return text
 
 
 def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> list[Any]:

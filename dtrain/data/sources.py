@@ -1,12 +1,15 @@
 """Where examples come from: a hub dataset id, a local file or folder, one split, the first
-max_samples (one `Source`, resolved by `DataConfig.sources()`). Everything loads through Hugging
-Face `datasets`."""
+max_samples (one `Source`, resolved by `DataConfig.sources()`), and how errors and logs name one of
+its examples (`Places`: FILE:LINE). Everything loads through Hugging Face `datasets`."""
 
 from __future__ import annotations
 
+import csv
+import functools
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -121,3 +124,90 @@ def first_malformed_json_line(path: str) -> str | None:
                 if not isinstance(record, dict):
                     return f"{file}:{number}: expected a JSON object, got {type(record).__name__}"
     return None
+
+
+# Local files whose examples are lines (or CSV records) of the file: the builders datasets reads them with.
+LINE_BUILDERS = ("json", "csv")
+
+
+@dataclass(frozen=True)
+class Places:
+    """How a source's examples are named in errors and logs: `FILE:LINE` where the example is a line of
+    a local JSON-lines file (a record of a CSV file: the line it starts on), as malformed JSON is
+    named; else `PATH [SPLIT] example INDEX`, INDEX datasets' index of the example in that split (a
+    hub dataset, Parquet, Arrow, a JSON array, a `save_to_disk` folder). Each file's lines are read
+    only when an example is named."""
+
+    label: str  # `PATH [SPLIT] example`
+    files: tuple[str, ...] = ()  # the split's line-based files, in the order datasets reads them
+    rows: tuple[tuple[int, int], ...] = ()  # the split's slices of their records: (start, stop)
+
+    def __call__(self, index: int) -> str:
+        located = self.line(index)
+        return f"{located[0]}:{located[1]}" if located else f"{self.label} {index}"
+
+    def line(self, index: int) -> tuple[str, int] | None:
+        """(file, line) of example `index` of the split, or None."""
+        for start, stop in self.rows:
+            if index < stop - start:
+                row = start + index
+                break
+            index -= stop - start
+        else:
+            return None
+        for file in self.files:
+            lines = record_lines(file, os.stat(file).st_mtime_ns)
+            if row < len(lines):
+                return file, lines[row]
+            row -= len(lines)
+        return None
+
+
+def places(source: Source, split: str, dataset: datasets.Dataset) -> Places:
+    """How `dataset` (load_split's, of `source` and `split`) names its examples (Places)."""
+    path = os.path.expanduser(source.path)
+    label = Places(f"{source.path} [{split}] example")
+    name = split.split("[", 1)[0]
+    try:
+        total = dataset.info.splits[name].num_examples
+    except (AttributeError, KeyError, TypeError):
+        return label
+    if os.path.isfile(path):
+        files = [path] if BUILDERS.get(Path(path).suffix) in LINE_BUILDERS else []
+    elif os.path.isdir(path) and not (Path(path) / "state.json").is_file():
+        try:
+            files = [str(file) for file in datasets.load_dataset_builder(path).config.data_files[name]]
+        except Exception:  # what datasets cannot say, names by index
+            return label
+        if any(BUILDERS.get(Path(file).suffix) not in LINE_BUILDERS for file in files):
+            return label
+    else:
+        return label
+    if not files or any(Path(file).suffix in (".json", ".jsonl") and is_json_array(file) for file in files):
+        return label
+    instructions = datasets.ReadInstruction.from_spec(split).to_absolute({name: total})
+    return Places(label.label, tuple(files), tuple((part.from_, part.to) for part in instructions))
+
+
+def is_json_array(path: str) -> bool:
+    """Whether a .json file is one JSON document (an array), not JSON lines."""
+    with open(path, "rb") as file:
+        return file.read(1 << 10).lstrip()[:1] == b"["
+
+
+@functools.lru_cache(maxsize=16)
+def record_lines(path: str, modified: int) -> list[int]:
+    """The line (from 1) each example of a local file starts on, in datasets' order: a JSON-lines
+    file's non-blank lines, a CSV file's records after its header (blank lines skipped, a quoted field
+    may span lines). `modified` keys the cache to the file's version."""
+    if Path(path).suffix == ".csv":
+        starts, end = [], 0
+        with open(path, newline="", encoding="utf-8", errors="replace") as file:
+            reader = csv.reader(file)
+            for row in reader:
+                start, end = end + 1, reader.line_num
+                if row and not (len(row) == 1 and not row[0].strip()):  # pandas skips blank lines
+                    starts.append(start)
+        return starts[1:]  # the header is not an example
+    with open(path, "rb") as file:
+        return [number for number, line in enumerate(file, start=1) if line.strip()]

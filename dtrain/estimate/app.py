@@ -20,6 +20,7 @@ from dtrain.config import ConfigError, PlanConfig
 from dtrain.estimate.planner import plan, suggest
 from dtrain.estimate.report import to_json, to_table
 from dtrain.hydra_glue import CONF, fail, fit_embedded_default, register, with_embedded_defaults
+from dtrain.objectives.sft import SPEC as SFT
 
 
 def use_plan_schema() -> None:
@@ -48,7 +49,7 @@ def compose(overrides: list[str]) -> PlanConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    overrides = with_embedded_defaults(overrides)
+    overrides = with_embedded_defaults(overrides, SFT.embedded)
     use_plan_schema()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = hydra_compose(config_name="config", overrides=overrides)
@@ -59,7 +60,7 @@ def to_plan_config(cfg: DictConfig, overrides: list[str]) -> PlanConfig:
     """The checked config; the embedded default fitted to estimate.world_size, as a run fits it."""
     world_size = OmegaConf.select(cfg, "estimate.world_size", throw_on_missing=False)
     if isinstance(world_size, int) and world_size > 0:
-        fit_embedded_default(cfg, world_size, overrides)
+        fit_embedded_default(cfg, world_size, overrides, SFT.embedded)
     try:
         config = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as error:  # estimate.world_size has no default
@@ -90,5 +91,5 @@ def hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     use_plan_schema()
-    sys.argv[1:] = with_embedded_defaults(sys.argv[1:]) + QUIET_HYDRA
+    sys.argv[1:] = with_embedded_defaults(sys.argv[1:], SFT.embedded) + QUIET_HYDRA
     hydra_main()

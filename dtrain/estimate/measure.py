@@ -11,6 +11,9 @@ step has no optimizer state yet.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -22,14 +25,16 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dtrain.fused_divergence import FusedDivergence
 from dtrain.fused_loss import FusedLinearCrossEntropy
 from dtrain.model import canonical_name
-from dtrain.objective import Objective
+from dtrain.objectives import Objective
 from dtrain.parallel.parallelize import decoder_layers, reshard
 from dtrain.step import optimizer_step
 
 _R, _S = _FSDPRefType, _FSDPModState  # FSDPMemTracker's categories and module states
 _M = _MemRefType  # MemTracker's categories
+FUSED_LOSSES = (FusedLinearCrossEntropy, FusedDivergence)  # the losses whose temporaries are probed
 TOTAL = "Total"
 
 # How the report groups the tracker's categories at the peak (every category in exactly one group).
@@ -82,6 +87,12 @@ class StepMemory:
     # loss_impl=fused: the temporaries of the loss's forward (its peak minus what it keeps: the
     # saved gradients), max over micro-batches; None for the other losses (not a module of their own)
     loss_temporaries: int | None = None
+    # dtrain.grpo: its generator's memory held through the step (the hf engine's copy of the policy,
+    # vLLM's share without sleep mode) and what a rank holds while it samples (counted, not tracked:
+    # dtrain.estimate.planner.generator_memory); 0 for the other objectives
+    generator: int = 0
+    generation_peak: int = 0
+    train_peak: int = 0  # dtrain.grpo: the tracked step's peak with the generator held through it
 
 
 class _ModuleStats(WeakIdKeyDictionary):
@@ -219,7 +230,7 @@ def track_step(
     objective.begin_step(micro_batches[:run])
     reshard(model)
     try:
-        with tracker:
+        with tracker, _func_nesting_unreported():
             for index, micro_batch in enumerate(micro_batches[:run]):
                 if index:  # the tracker follows one forward per module: start its module stats afresh
                     tracker.reset_mod_stats()
@@ -254,11 +265,31 @@ def track_step(
     )
 
 
+@contextlib.contextmanager
+def _func_nesting_unreported() -> Iterator[None]:
+    """Without torch's "The module hierarchy tracking maybe be messed up" (once per decoder layer and
+    micro-batch: 64 lines in a Llama-3-8B DPO plan). transformers 5 makes `apply_rotary_pos_emb` a
+    module of class `Func` (hub kernels) that calls the running model's private copy, a second `Func`.
+    The tracker (ModTracker) names a module outside the model by its class, so it sees "Func" entered
+    inside "Func" and warns, each time: warnings' once-per-place record is reset whenever the filters
+    change, which torch does meanwhile. What the nesting confuses is the stats of the name "Func" alone;
+    the plan reads the step's totals and the model's own modules, named by their place in the model.
+    torch also replaces warnings.formatwarning there, for good: put back."""
+    format_warning = warnings.formatwarning
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The module hierarchy tracking maybe be messed up", UserWarning)
+        try:
+            yield
+        finally:
+            warnings.formatwarning = format_warning
+
+
 class _LossProbe:
     """The temporaries of each fused-loss forward: the tracker's peak within it minus the memory in
     use after it (what stays is the saved gradients). FSDPMemTracker follows FSDP modules only, so
-    module hooks on FusedLinearCrossEntropy restart the tracker's peak (private: _peak_mem,
-    _peak_mem_snap) at the loss's start and put back the step's peak when that was higher."""
+    module hooks on FUSED_LOSSES (the fused cross-entropy; dtrain.distill's divergence) restart the
+    tracker's peak (private: _peak_mem, _peak_mem_snap) at the loss's start and put back the step's
+    peak when that was higher."""
 
     def __init__(self, tracker: MemTracker) -> None:
         self.tracker, self.transients = tracker, []
@@ -271,12 +302,12 @@ class _LossProbe:
         return {dev: snap[TOTAL] for dev, snap in self.tracker._curr_mem_snap.items()}
 
     def _before(self, module: nn.Module, args: object) -> None:
-        if isinstance(module, FusedLinearCrossEntropy):
+        if isinstance(module, FUSED_LOSSES):
             self.saved = dict(self.tracker._peak_mem), dict(self.tracker._peak_mem_snap)
             self.tracker._peak_mem = self._current()
 
     def _after(self, module: nn.Module, args: object, output: object) -> None:
-        if not isinstance(module, FusedLinearCrossEntropy):
+        if not isinstance(module, FUSED_LOSSES):
             return
         tracker, (peak, snap) = self.tracker, self.saved
         self.transients.append(sum(tracker._peak_mem.values()) - sum(self._current().values()))
@@ -304,6 +335,33 @@ def step_inputs(
         batch["sequence_index"] = torch.arange(rows, device=device)[:, None].expand(-1, max_len).contiguous()
         batch["completion_tokens"] = filled.clone()
         batch["pair_index"] = torch.arange(micro_batch_size, device=device)
+    return [{key: value.clone() for key, value in batch.items()} for _ in range(count)]
+
+
+def rollout_inputs(
+    micro_batch_size: int, max_len: int, completion: int, count: int, device: torch.device, tokens: tuple
+) -> list[dict[str, torch.Tensor]]:
+    """dtrain.grpo's micro-batches (dtrain/data/prompts.py) with the most a micro-batch of
+    `micro_batch_size` completions takes: one sequence a row, max_len - completion prompt tokens
+    then `completion` completion tokens; `tokens`: the flat per-token tensors the loss reads
+    (old_logps, ref_logps)."""
+    rows, prompt = micro_batch_size, max_len - completion
+    ids = torch.zeros((rows, max_len), dtype=torch.long, device=device)
+    positions = torch.arange(max_len, device=device).expand(rows, -1).contiguous()
+    index = torch.where(positions >= prompt - 1, torch.arange(rows, device=device)[:, None], -1)
+    index[:, -1] = -1  # the last position predicts nothing
+    batch = {
+        "input_ids": ids,
+        "labels": torch.where(index >= 0, 0, -100),
+        "position_ids": positions,
+        "num_tokens": torch.full((rows,), max_len, dtype=torch.long, device=device),
+        "sequence_index": index,
+        "prompt_tokens": torch.full((rows,), prompt, dtype=torch.long, device=device),
+        "completion_tokens": torch.full((rows,), completion, dtype=torch.long, device=device),
+        "advantages": torch.zeros(rows, device=device),
+        "token_offset": torch.arange(rows, device=device) * completion,
+    }
+    batch |= {key: torch.zeros(rows * completion, device=device) for key in tokens}
     return [{key: value.clone() for key, value in batch.items()} for _ in range(count)]
 
 

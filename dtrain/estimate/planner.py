@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import gc
 import logging
 import time
@@ -30,10 +29,11 @@ from dtrain.checks import check_config
 from dtrain.config import Config, ConfigError, MeshShape
 from dtrain.distributed import build_parallel
 from dtrain.estimate.deepspeed import ParamCensus, census
-from dtrain.estimate.measure import StepMemory, step_inputs, track_step, tracked_micro_batches
-from dtrain.model import allocate, build_meta_model, build_model, load_model_config
-from dtrain.objective import build_objective
+from dtrain.estimate.measure import StepMemory, rollout_inputs, step_inputs, track_step, tracked_micro_batches
+from dtrain.model import allocate, build_frozen_model, build_meta_model, build_model, load_model_config
+from dtrain.objectives import Context, build_objective, objective_of
 from dtrain.optim import build_optimizer
+from dtrain.parallel import lora
 from dtrain.parallel.context import shard_sequence
 from dtrain.parallel.experts import experts_modules, local_weights
 from dtrain.step import optimizer_step, with_filled_slots
@@ -58,7 +58,7 @@ class Plan:
     attention: str  # the attention kernel planned: flex (CUDA's, for packed rows, windows, cp) or sdpa
     accumulation: int  # micro-batches per optimizer step
     loss_impl: str  # parallel.loss_impl as planned (auto resolved by check_config)
-    objective: str  # `sft`, or dtrain.dpo's `dpo (reference=MODE)`
+    objective: str  # `sft`, `dpo (reference=MODE)`, `grpo (...)`, `distill (teacher=NAME)`
     step: StepMemory
     # embedding / lm_head / experts (all layers): bytes on this rank and in all; experts also the
     # bytes a layer computes with on this rank (_computed_expert_bytes)
@@ -202,27 +202,50 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
             moe=dataclasses.replace(config.moe, aux_scope="micro_step"),
         )
         model = build_model(model_config, eager, parallel, None, attention_backend=attention_backend)
-        # dpo.reference=live: a frozen copy, built as the trainer builds it (allocated below)
-        frozen = functools.partial(build_model, model_config, eager, parallel, None, None, attention_backend)
-        reference = frozen(frozen=True) if config.data.preference and config.dpo.reference == "live" else None
+        # a frozen model built as the trainer builds it (allocated below): dpo.reference=live's (the
+        # starting policy, or dpo.ref_model's, its architecture read offline as the policy's), or
+        # dtrain.grpo's reference at beta != 0 (a frozen copy of the starting policy)
+        online = objective_of(config).name == "grpo"
+        live = config.data.preference and config.dpo.reference == "live"
+        reference = None
+        if live or (online and grpo_reference(config) == "frozen copy"):
+            folder = config.dpo.ref_model if live else None
+            reference = build_frozen_model(
+                eager, parallel, None, folder, model_config, None, attention_backend, offline=True
+            )
+        # dtrain.distill: its teacher, built as the trainer builds it (allocated below)
+        teacher = None
+        if config.data.completions:
+            folder = config.distill.teacher
+            teacher = build_frozen_model(
+                eager, parallel, None, folder, model_config, None, attention_backend, offline=True
+            )
         # The meta parameters become fake ones on to_empty: allow_non_fake_inputs lets that happen.
         with FakeTensorMode(allow_non_fake_inputs=True), dtensor_meta_in_own_fake_mode():
             allocated(model).train()
             optimizer = build_optimizer(model, config.optim)
             params = list(model.parameters())
             pairs = config.data.preference  # dtrain.dpo: micro-batches of pairs, two rows each
-            micro_batches = [
-                shard_sequence(with_filled_slots(micro_batch), parallel["cp"])
-                for micro_batch in step_inputs(
-                    train.micro_batch_size, config.data.max_len, accumulation, CPU, pairs
+            if online:  # dtrain.grpo: micro-batches of completions, with the per-token log-probs it reads
+                inputs = rollout_inputs(
+                    train.micro_batch_size,
+                    config.data.max_len,
+                    min(config.grpo.max_completion_length, config.data.max_len - 1),
+                    accumulation,
+                    CPU,
+                    grpo_tokens(config),
                 )
-            ]
+            else:
+                inputs = step_inputs(train.micro_batch_size, config.data.max_len, accumulation, CPU, pairs)
+            micro_batches = [shard_sequence(with_filled_slots(mb), parallel["cp"]) for mb in inputs]
             objective = build_objective(
-                eager,
-                model,
-                parallel,
-                functools.partial(allocated, reference),
-                lambda: torch.zeros(train.micro_batch_size, 2),  # precompute: a table, no model
+                Context(
+                    eager,
+                    model,
+                    parallel,
+                    frozen=lambda folder: allocated(teacher if teacher is not None else reference),
+                    reference_table=lambda: torch.zeros(train.micro_batch_size, 2),  # precompute: no model
+                )
             )
             # Warm-up: DTensor's first run of each op, and AdamW's states, before measuring.
             with _computed_expert_bytes(model) as computed:  # hooks only here: nothing in the tracker
@@ -232,6 +255,8 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
             run = tracked_micro_batches(accumulation)
             step = track_step(model, optimizer, micro_batches, objective, config.optim.max_grad_norm, run)
             layers = _layer_bytes(model, computed)
+    if online:
+        add_generator(step, *generator_memory(config, model_config, params_census.total, shape))
     return Plan(
         model_type=model_config.model_type,
         num_params=params_census.total,
@@ -243,13 +268,82 @@ def _plan(config: Config, world_size: int, start: float, attention_backend: str)
         attention=attention_backend if masked_attention(config, shape, model_config) else "sdpa",
         accumulation=accumulation,
         loss_impl=config.parallel.loss_impl,
-        objective=f"dpo (reference={config.dpo.reference})" if config.data.preference else "sft",
+        objective=objective_label(config, online),
         step=step,
         layers=layers,
         tied=bool(model_config.tie_word_embeddings),
         census=params_census,
         seconds=time.perf_counter() - start,
     )
+
+
+def objective_label(config: Config, online: bool) -> str:
+    if online:
+        return f"grpo (reference: {grpo_reference(config)}, rollout.engine={config.rollout.engine})"
+    if config.data.preference:
+        return f"dpo (reference={config.dpo.reference})"
+    if config.data.completions:
+        return f"distill (teacher={config.distill.teacher})"
+    return "sft"
+
+
+def grpo_reference(config: Config) -> str:
+    """dtrain.grpo's reference model: none (β = 0), the adapters off (LoRA from fresh adapters), or a
+    frozen copy of the starting policy (dtrain.objectives.grpo.build)."""
+    if config.grpo.beta == 0.0:
+        return "none"
+    return "adapters off" if lora.enabled(config.lora) and not config.lora.adapter else "frozen copy"
+
+
+def grpo_tokens(config: Config) -> tuple[str, ...]:
+    """The per-token log-probs dtrain.grpo's micro-batches carry (dtrain.objectives.grpo.add_logps)."""
+    settings = config.grpo
+    old = settings.steps_per_generation * settings.num_iterations > 1 or config.rollout.engine == "vllm"
+    return (("old_logps",) if old else ()) + (("ref_logps",) if settings.beta != 0.0 else ())
+
+
+def generator_memory(
+    config: Config, model_config: object, num_params: int, shape: MeshShape
+) -> tuple[int, int]:
+    """dtrain.grpo's generator on one rank, counted (generate and vLLM do not run on fake tensors):
+    (held through the training step, added while sampling). `hf`: the plain copy of the policy in the
+    compute dtype (every parameter, unsharded) held, and while sampling one prompt's G completions
+    at once (dtrain/rollout/hf.py) their KV cache over data.max_len positions (2 × layers × G × KV
+    heads × head dim × max_len in the compute dtype) and the last position's fp32 logits (G × vocab).
+    `vllm`: rollout.vllm_gpu_memory_utilization of estimate.gpu_memory_gib, held (sleep mode: only
+    while sampling)."""
+    rollout, settings = config.rollout, config.grpo
+    if rollout.engine == "vllm":
+        share = round(rollout.vllm_gpu_memory_utilization * config.estimate.gpu_memory_gib * 2**30)
+        return (0, share) if rollout.vllm_enable_sleep_mode else (share, 0)
+    if rollout.engine != "hf":  # file: nothing sampled
+        return 0, 0
+    width = 2 if config.train.precision == "bf16" else 4
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    group = settings.num_generations
+    cache = 2 * model_config.num_hidden_layers * group * kv_heads * head_dim * config.data.max_len * width
+    return num_params * width, cache + group * model_config.vocab_size * 4
+
+
+def add_generator(step: StepMemory, held: int, sampling: int) -> None:
+    """The generator's memory into the plan: held through the step (at its peak), and the sampling
+    phase (the model state between steps, the reference, the generator) when that is higher."""
+    step.generator, step.train_peak = held, step.peak + held
+    step.generation_peak = step.params + step.optimizer + step.reference + held + sampling
+    if step.generation_peak > step.train_peak:
+        step.peak_phase = "generation (the generator sampling; counted)"
+        step.at_peak = dict.fromkeys(step.at_peak, 0) | {
+            "params": step.params,
+            "optimizer": step.optimizer,
+            "reference": step.reference,
+        }
+        step.at_peak["generator"] = held + sampling
+        step.peak = step.generation_peak
+    else:
+        step.at_peak["generator"] = held
+        step.peak += held
 
 
 @dataclass

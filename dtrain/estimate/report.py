@@ -18,7 +18,8 @@ AT_PEAK_LABELS = {
     "unsharded_params": "unsharded (all-gathered) parameters",
     "activations": "activations (+ inputs)",
     "temporaries": "temporaries (backward, reduce-scatter)",
-    "reference": "frozen reference model (dpo.reference=live)",
+    "reference": "frozen model (reference or teacher)",
+    "generator": "dtrain.grpo's generator (counted)",
 }
 
 
@@ -60,7 +61,7 @@ def dtrain_row(plan: Plan) -> DtrainRow:
 
 def comparisons(plan: Plan) -> list[Layout]:
     """DeepSpeed's layouts of the same model and batch (analytic: deepspeed.py)."""
-    rows = plan.micro_batch_size * (2 if plan.objective != "sft" else 1)  # dtrain.dpo: pairs
+    rows = plan.micro_batch_size * (2 if plan.objective.startswith("dpo") else 1)  # dtrain.dpo: pairs
     return layouts(plan.census, plan.shape.world, plan.shape.tp, rows, plan.max_len, plan.precision)
 
 
@@ -139,7 +140,7 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         return f"  {label:<52}{num(value)}"
 
     v = verdict(step.peak, gpu_memory_gib)
-    pairs = plan.objective != "sft"  # dtrain.dpo: the micro batch counts pairs, two rows each
+    pairs = plan.objective.startswith("dpo")  # dtrain.dpo: the micro batch counts pairs, two rows each
     micro_batch = f"{plan.micro_batch_size} pairs" if pairs else str(plan.micro_batch_size)
     axes = " × ".join(
         f"{axis} {degree}"
@@ -161,12 +162,15 @@ def to_table(plan: Plan, gpu_memory_gib: float, suggestions: list[Suggestion], t
         row("  sharded parameters + buffers", step.params),
         row("  sharded gradients", step.grads),
         row("  AdamW state", step.optimizer),
-        *([row("  frozen reference model (dpo.reference=live)", step.reference)] if step.reference else []),
+        *([row("  " + AT_PEAK_LABELS["reference"], step.reference)] if step.reference else []),
+        *([row("generator held through the step (counted)", step.generator)] if step.generator else []),
+        *([row("while training, the generator held", step.train_peak)] if step.generation_peak else []),
+        *([row("while sampling (counted)", step.generation_peak)] if step.generation_peak else []),
         f"  at the peak, in the {step.peak_phase}:",
         *(
             row("  " + AT_PEAK_LABELS[k], value)
             for k, value in step.at_peak.items()
-            if value or k != "reference"
+            if value or k not in ("reference", "generator")
         ),
         row("peak", step.peak),
         *(

@@ -24,9 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh
 # kwargs down to every layer's attention function.
 CONTEXT_KWARG = "dtrain_context"
 # A micro-batch's tensors over the sequence ([rows, seq]), split over cp; the others are per row or
-# per sequence and stay whole (dtrain.dpo's `sequence_index` is per position: dtrain/data/pairs.py;
-# `filled`: dtrain.step.with_filled_slots).
-SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "filled", "sequence_index")
+# per sequence and stay whole (dtrain.dpo's `sequence_index` is per position: dtrain/data/pairs.py,
+# and so is its LD-DPO `tail`: dtrain.objectives.dpo_loss.with_tail; `filled`:
+# dtrain.step.with_filled_slots).
+SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "filled", "sequence_index", "tail")
 
 
 def local_token_indices(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtrain.config import ConfigError
+from dtrain.distributed import gather_whole
 
 FUSED_ATTR = "dtrain_fused_parts"
 
@@ -74,13 +75,10 @@ def fuse(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
     parts = getattr(model, FUSED_ATTR, {})
     if not parts:
         return state
-    groups: dict[str, list[str]] = {}
-    for name, (fused, _) in sorted(parts.items(), key=lambda item: item[1]):
-        groups.setdefault(fused, []).append(name)
     out = {name: tensor for name, tensor in state.items() if name not in parts}
-    for fused, names in groups.items():
+    for fused, names in groups(model).items():
         first = state[names[0]]
-        full = torch.cat([_full(state[name]) for name in names])
+        full = torch.cat([gather_whole(state[name]) for name in names])
         if isinstance(first, DTensor):
             full = DTensor.from_local(
                 full[_local_slices(first, full.shape)].contiguous(),
@@ -94,5 +92,9 @@ def fuse(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+def groups(model: nn.Module) -> dict[str, list[str]]:
+    """{HF's fused parameter name: its parts' parameter names in HF's row order} ({} unsplit)."""
+    found: dict[str, list[str]] = {}
+    for name, (fused, _) in sorted(getattr(model, FUSED_ATTR, {}).items(), key=lambda item: item[1]):
+        found.setdefault(fused, []).append(name)
+    return found

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtrain.config import ConfigError, LoraConfig
+from dtrain.distributed import gather_whole
 from dtrain.parallel.fused import FUSED_ATTR
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -358,7 +359,7 @@ def peft_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     params = adapter_parameters(model)
     for name, (peft_name, first) in peft_names(model).items():
         param = params[name]
-        full = (param.full_tensor() if isinstance(param, DTensor) else param).detach().float().cpu()
+        full = gather_whole(param).detach().float().cpu()
         pieces.setdefault(PEFT_PREFIX + peft_name, []).append((first, full))
     return {
         key: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for key, parts in pieces.items()
@@ -390,11 +391,18 @@ def peft_config(settings: LoraConfig, model: nn.Module, base_model: str | None) 
 def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """{HF name of each adapted base weight: W + scaling · B A}, in W's sharding (the product of
     B's and A's placements is W's placement over tp)."""
-    merged = {}
-    for name, module in adapter_modules(model).items():
-        weight = module.weight
-        delta = (module.lora_B.weight @ module.lora_A.weight) * module.scaling
-        if isinstance(weight, DTensor):
-            delta = delta.redistribute(weight.device_mesh, weight.placements)
-        merged[f"{name}.weight"] = weight.to(torch.float32, copy=True) + delta  # an NF4 base dequantizes
-    return merged
+    return {
+        f"{name}.weight": merge(module.weight, module.lora_A.weight, module.lora_B.weight, module.scaling)
+        for name, module in adapter_modules(model).items()
+    }
+
+
+@torch.no_grad()
+def merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """PEFT's merge of one adapter, in fp32: `W + (B @ A) · scaling`, laid out as W (DTensors: W's
+    sharding, the product of B's and A's placements being W's over tp; plain tensors: PEFT's own
+    arithmetic on the whole matrices). An NF4 base dequantizes."""
+    delta = (lora_b @ lora_a) * scaling
+    if isinstance(weight, DTensor):
+        delta = delta.redistribute(weight.device_mesh, weight.placements)
+    return weight.to(torch.float32, copy=True) + delta

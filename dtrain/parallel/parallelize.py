@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,6 +49,26 @@ TP_PLANS = {
 
 # Set by apply_autocast on a model that computes in bf16 under torch.autocast: the device type.
 AUTOCAST = "dtrain_autocast"
+
+
+def check_tp_divides(model_config: Any, tp: int, model: str = "model") -> None:
+    """The heads and the MLP width split over tp (vocab_size need not: the embedding and lm_head are
+    padded, dtrain.parallel.vocab). `model`: how the message names the model."""
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(model_config, key, None)
+        if value is not None and value % tp:
+            raise ConfigError(f"{model} {key}={value} is not divisible by parallel.tp={tp}")
+
+
+def check_tp_support(model_type: str, tp: int, model: str = "model") -> None:
+    """A family without a TP plan trains FSDP-only (tp=1); at tp > 1 it is refused before launch.
+    `model`: how the message names the model."""
+    if tp > 1 and model_type not in TP_PLANS:
+        raise ConfigError(
+            f"{model} type {model_type!r} has no TP plan, so it runs with parallel.tp=1 only (FSDP); "
+            f"parallel.tp={tp} needs one of: {', '.join(TP_PLANS)}"
+        )
+
 
 # activation_checkpointing=selective keeps these ops' outputs and recomputes the rest (norms,
 # activations, rotary, casts): the matmuls and attention are most of the FLOPs, the rest most of
@@ -109,7 +130,7 @@ def parallelize(
     if parallel.tp_size > 1:
         # At tp = 1 the plan would only wrap every parameter in a DTensor over a one-rank axis, and
         # every op would pay DTensor dispatch for nothing: FSDP alone gives the same numerics. So
-        # families without a plan train at tp = 1 (checks.check_tp_support refuses more).
+        # families without a plan train at tp = 1 (check_tp_support refuses more).
         apply_tp(model, layers, parallel, settings, TP_PLANS[model.config.model_type])
     if lora_settings is not None and lora.enabled(lora_settings):
         shard = parallel.dp_rank * parallel["cp"].size() + parallel["cp"].get_local_rank()

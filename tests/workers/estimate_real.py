@@ -35,11 +35,13 @@ from torch.utils._pytree import tree_flatten
 from dtrain.checks import check_config
 from dtrain.data.formats import load_tokenizer
 from dtrain.data.pipeline import build_data
+from dtrain.data.prompts import Rollout, rollout_batch
 from dtrain.distributed import build_parallel, init_distributed
 from dtrain.estimate.app import compose
 from dtrain.estimate.measure import track_step
-from dtrain.model import build_model, load_model_config, tokenizer_source
-from dtrain.objective import build_objective
+from dtrain.estimate.planner import grpo_tokens
+from dtrain.model import build_frozen_model, build_model, load_model_config, tokenizer_source
+from dtrain.objectives import Context, build_objective, objective_of
 from dtrain.optim import build_optimizer
 from dtrain.step import local_micro_batch, optimizer_step
 from tests.estimate_scenarios import SCENARIOS
@@ -140,6 +142,23 @@ def tensors_of(micro_batches: list[dict]) -> list[torch.Tensor]:
     return [value for mb in micro_batches for value in tree_flatten(mb)[0] if torch.is_tensor(value)]
 
 
+class RolloutSteps:
+    """dtrain.grpo's steps as the trainer holds them (dtrain/data/prompts.py's micro-batches): each
+    completion a prompt of data.max_len − grpo.max_completion_length tokens then a completion of
+    max_completion_length, with the per-token log-probs the loss reads; the values do not matter."""
+
+    def __init__(self, config, dp_size: int) -> None:  # noqa: ANN001 (a PlanConfig)
+        train, settings, data = config.train, config.grpo, config.data
+        length = settings.max_completion_length
+        tokens = {key: [0.0] * length for key in grpo_tokens(config)}
+        rollout = Rollout([3] * (data.max_len - length), [5] * length, 0.5, True, tokens or None)
+        self.micro_batches = train.global_batch_size // (train.micro_batch_size * dp_size)
+        self.batch = rollout_batch([rollout] * train.micro_batch_size, data.max_len, 2, data.packing)
+
+    def next_step(self) -> list[dict[str, torch.Tensor]]:
+        return [{key: value.clone() for key, value in self.batch.items()} for _ in range(self.micro_batches)]
+
+
 def run(overrides: list[str], device: torch.device) -> dict:
     config = compose(overrides)
     model_config = load_model_config(config.model)
@@ -151,10 +170,15 @@ def run(overrides: list[str], device: torch.device) -> dict:
 
     tokenizer = load_tokenizer(tokenizer_source(config.model))
     train = config.train
-    batches = build_data(config.data, train, tokenizer, parallel.dp_rank, parallel.dp_size).train
-    frozen = functools.partial(build_model, model_config, config, parallel, device, frozen=True)
+    online = objective_of(config).name == "grpo"
+    if online:  # dtrain.grpo: its micro-batches of completions, each as long as a row holds
+        batches = RolloutSteps(config, parallel.dp_size)
+    else:
+        batches = build_data(config.data, train, tokenizer, parallel.dp_rank, parallel.dp_size).train
+    frozen = functools.partial(build_frozen_model, config, parallel, device, policy=model_config)
     # the planner's loss; dtrain.dpo's precompute: a table of the dataset's pairs (values do not matter)
-    objective = build_objective(config, model, parallel, frozen, lambda: torch.zeros(len(batches), 2))
+    table = lambda: torch.zeros(0 if online else len(batches), 2)  # noqa: E731
+    objective = build_objective(Context(config, model, parallel, frozen, reference_table=table))
 
     def step_batches() -> list[dict[str, torch.Tensor]]:
         return [local_micro_batch(mb, parallel) for mb in batches.next_step()]  # in order
@@ -183,6 +207,13 @@ def run(overrides: list[str], device: torch.device) -> dict:
         "optimizer": storage_bytes(optimizer_tensors(optimizer)),
         "reference": storage_bytes(p for other in objective.frozen for p in other.parameters()),
     }
+    if online and config.rollout.engine == "hf":  # the generator's copy, as dtrain.rollout.hf builds it
+        from dtrain.rollout.hf import build_generator
+
+        dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
+        real["generator"] = storage_bytes(
+            p.data for p in build_generator(model_config, dtype, device).parameters()
+        )
     step = asdict(tracked)
     step.pop("modules")
     return {"real": real, "tracked": step, "counted": counter.peak, "accumulation": len(micro_batches)}

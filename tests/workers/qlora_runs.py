@@ -3,13 +3,18 @@ world size on one process group, through dtrain's trainer. Rank 0 saves `<out>/<
 weight gathered in bitsandbytes' QuantState layout and dequantized (whole), the NF4 storage bytes of
 every rank, the logged history, the trained adapters (PEFT's names) and logits, the dtypes, and the
 bytes of FSDP's all-gathers a step. The 4-rank launch ends with the README's QLoRA command line
-(dtrain.sft's main on these ranks). The pytest side compares them with bitsandbytes and with PEFT.
+(dtrain.sft's main on these ranks), then rank 0 saves `<out>/torch_warnings.json`: what torch's
+DTensor redistribution logged on it (the exports gather (_StridedShard, Shard) adapters). The
+pytest side compares them with bitsandbytes and with PEFT.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -115,6 +120,8 @@ def main() -> None:
     parser.add_argument("--models", type=Path, required=True, help="llama/ with its PEFT adapter/")
     parser.add_argument("--data", type=Path, required=True)
     args = parser.parse_args()
+    redistribution = Recorded()
+    logging.getLogger("torch.distributed.tensor._redistribute").addHandler(redistribution)
     device = init_distributed(timeout_s=300)
     world = dist.get_world_size()
     for name, scenario in SCENARIOS[world].items():
@@ -129,5 +136,18 @@ def main() -> None:
         sys.argv = ["dtrain.sft", f"model.name_or_path={model}", f"data.path={data}", *README.split()]
         sys.argv += [TINY_RUN, f"hydra.run.dir={args.out / 'readme'}"]
         sft.main()
+        if int(os.environ["RANK"]) == 0:
+            (args.out / "torch_warnings.json").write_text(json.dumps(redistribution.messages))
     else:
         dist.destroy_process_group()
+
+
+class Recorded(logging.Handler):
+    """A logger's records at WARNING and above, as messages."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
