@@ -30,8 +30,9 @@ def test_each_entry_point_names_its_own_run_folders(monkeypatch):
     """The same command line under two entry points names two folders (an SFT run no longer lands in
     the DPO run's folder, refused there as "a different data"), as runner.main pins the name."""
     folders = {}
+    monkeypatch.setenv("DTRAIN_RUN_NAME", "")  # recorded, so that monkeypatch unsets it after the test
     for name in OBJECTIVES:
-        monkeypatch.delenv("DTRAIN_RUN_NAME", raising=False)
+        monkeypatch.delenv("DTRAIN_RUN_NAME")
         overrides = ["model.name_or_path=/models/llama", "optim.lr=1e-5"]
         pin_run_name(name, overrides)
         folders[name] = output_folder(overrides)
