@@ -49,10 +49,12 @@ _file_seconds: dict[str, float] = {}  # test file: its tests' seconds, set-up (i
 # takes the next file when it is done, so the suite ends on short files, neither worker left alone
 # with a long one.
 LONGEST_FIRST = (
+    "test_grpo.py",
     "test_lora.py",
     "test_parity.py",
     "test_estimate.py",
     "test_dpo.py",
+    "test_distill.py",
     "test_lifecycle.py",
     "test_qlora.py",
     "test_readme.py",
@@ -61,6 +63,7 @@ LONGEST_FIRST = (
     "test_reliability.py",
     "test_hsdp.py",
     "test_moe.py",
+    "test_rollout.py",
     "test_launch.py",
     "test_metrics.py",
     "test_gpu_scripts.py",
