@@ -230,9 +230,10 @@ def other_run_in(run_dir: Path, directory: Path, resolved: dict[str, Any]) -> st
     for source, config in previous:
         theirs = _identity(config)
         for key in RUN_IDENTITY:  # an objective's own group (dpo) in one alone: another entry point's run
-            if key not in shared and (theirs[key] is None) != (mine[key] is None):
+            group = key.split(".")[0]
+            if group not in shared and (theirs[key] is None) != (mine[key] is None):
                 has = "has" if mine[key] is None else "has no"
-                return f"{source} is from another entry point's run (it {has} the {key} group)"
+                return f"{source} is from another entry point's run (it {has} the {group} group)"
         for key in RUN_IDENTITY:
             if theirs[key] != mine[key]:
                 return f"{source} is from a run with a different {key}"

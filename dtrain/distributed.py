@@ -127,18 +127,25 @@ def expert_meshes(world: DeviceMesh, shape: MeshShape) -> dict[str, DeviceMesh]:
 
 def gather_whole(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value on every rank (a plain tensor as it is), gathered one mesh axis at a
-    time from the outermost: the all-gathers `full_tensor()` runs, in the same order. full_tensor()
-    of a parameter that FSDP shards after tp, `(_StridedShard(dim=0), Shard(dim=0))`, cannot merge
-    them and warns on every rank that the results may differ between ranks by reduction order; an
-    all-gather reduces nothing, so they cannot: done one axis a call, there is nothing to merge."""
+    time from the outermost (redistribute_in_steps): the all-gathers `full_tensor()` runs, in the same
+    order."""
     if not isinstance(tensor, DTensor):
         return tensor
-    placements = list(tensor.placements)
+    return redistribute_in_steps(tensor, [Replicate()] * tensor.device_mesh.ndim).to_local()
+
+
+def redistribute_in_steps(tensor: DTensor, placements: list) -> DTensor:
+    """`tensor.redistribute(mesh, placements)` one mesh axis at a time, from the outermost. Done at
+    once, a parameter that FSDP shards after tp, `(_StridedShard(dim=0), Shard(dim=0))`, cannot have
+    its all-gathers merged and torch warns on every rank that the results may differ between ranks by
+    reduction order; an all-gather reduces nothing, so they cannot: an axis a call, there is nothing
+    to merge."""
+    current = list(tensor.placements)
     for axis, placement in enumerate(placements):
-        if not placement.is_replicate():
-            placements[axis] = Replicate()
-            tensor = tensor.redistribute(tensor.device_mesh, placements)
-    return tensor.to_local()
+        if current[axis] != placement:
+            current[axis] = placement
+            tensor = tensor.redistribute(tensor.device_mesh, current)
+    return tensor
 
 
 def world_size_from_env() -> int:

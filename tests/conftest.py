@@ -43,15 +43,18 @@ torch.set_num_threads(THREADS)
 SLOW_S = 5.0
 _seconds: dict[str, float] = {}
 _margins: dict[str, tuple[float, str]] = {}  # test file: its worst (margin, where)
+_file_seconds: dict[str, float] = {}  # test file: its tests' seconds, set-up (its launches) included
 # The files that take longest (a launch of many scenarios, a real run beside the planner's, the
 # signal tests' waits), longest first as measured on 2 cores: each of ./scripts/test.sh's two workers
 # takes the next file when it is done, so the suite ends on short files, neither worker left alone
 # with a long one.
 LONGEST_FIRST = (
+    "test_grpo.py",
     "test_lora.py",
     "test_parity.py",
     "test_estimate.py",
     "test_dpo.py",
+    "test_distill.py",
     "test_lifecycle.py",
     "test_qlora.py",
     "test_readme.py",
@@ -60,6 +63,7 @@ LONGEST_FIRST = (
     "test_reliability.py",
     "test_hsdp.py",
     "test_moe.py",
+    "test_rollout.py",
     "test_launch.py",
     "test_metrics.py",
     "test_gpu_scripts.py",
@@ -94,6 +98,8 @@ def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201 (pytest's hoo
 
 
 def pytest_runtest_logreport(report) -> None:
+    file = report.nodeid.split("::")[0]
+    _file_seconds[file] = _file_seconds.get(file, 0.0) + report.duration
     if "slow" not in report.keywords:
         _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
     for key, (margin, what) in report.user_properties:
@@ -109,6 +115,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(pytest_report_header())
         for file, (margin, what) in sorted(_margins.items()):
             terminalreporter.write_line(f"{margin:6.3f}  {file}: {what}")
+    if len(_file_seconds) > 1:  # where the suite's time goes (LONGEST_FIRST's order comes from it)
+        terminalreporter.section("seconds per file (its tests' set-up, calls and teardown)")
+        for file, seconds in sorted(_file_seconds.items(), key=lambda item: -item[1])[:15]:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {file}")
     over = sorted(((s, nodeid) for nodeid, s in _seconds.items() if s > SLOW_S), reverse=True)
     if over:
         terminalreporter.section(f"not marked slow, over {SLOW_S:.0f} s")

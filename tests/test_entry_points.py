@@ -30,8 +30,9 @@ def test_each_entry_point_names_its_own_run_folders(monkeypatch):
     """The same command line under two entry points names two folders (an SFT run no longer lands in
     the DPO run's folder, refused there as "a different data"), as runner.main pins the name."""
     folders = {}
+    monkeypatch.setenv("DTRAIN_RUN_NAME", "")  # recorded, so that monkeypatch unsets it after the test
     for name in OBJECTIVES:
-        monkeypatch.delenv("DTRAIN_RUN_NAME", raising=False)
+        monkeypatch.delenv("DTRAIN_RUN_NAME")
         overrides = ["model.name_or_path=/models/llama", "optim.lr=1e-5"]
         pin_run_name(name, overrides)
         folders[name] = output_folder(overrides)
@@ -54,10 +55,10 @@ def test_a_run_folder_of_another_entry_point_is_refused_saying_so(tmp_path):
     assert message == f"{run_dir / 'config.yaml'} is from another entry point's run (it has the dpo group)"
 
 
-def test_what_names_a_run_folder_is_one_list_that_the_readme_gives():
-    """README's list of the keys that name a run folder is config.RUN_IDENTITY, which holds the
-    shared groups of what is trained and each objective's own group (dtrain.dpo's `dpo`)."""
-    readme = " ".join((ROOT / "README.md").read_text().split())
+def test_what_names_a_run_folder_is_one_list_that_the_docs_give():
+    """docs/launching.md's list of the keys that name a run folder is config.RUN_IDENTITY, which holds
+    the shared groups of what is trained and each objective's own group (dtrain.dpo's `dpo`)."""
+    readme = " ".join((ROOT / "docs" / "launching.md").read_text().split())
     (listed,) = re.findall(r"overrides of what is trained \(([^()]*?): `RUN_IDENTITY`", readme)
     assert re.findall(r"`([^`]+)`", listed) == list(RUN_IDENTITY)
     for spec in OBJECTIVES.values():

@@ -401,8 +401,12 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
     """PEFT's merge of one adapter, in fp32: `W + (B @ A) · scaling`, laid out as W (DTensors: W's
     sharding, the product of B's and A's placements being W's over tp; plain tensors: PEFT's own
-    arithmetic on the whole matrices). An NF4 base dequantizes."""
-    delta = (lora_b @ lora_a) * scaling
+    arithmetic on the whole matrices). An NF4 base dequantizes. The product is PEFT's on the whole
+    adapters (small: gathered an axis at a time, gather_whole, as a DTensor product of FSDP-sharded
+    factors would redistribute them all at once, with torch's warning), then cut as W is cut."""
+    delta = (gather_whole(lora_b) @ gather_whole(lora_a)) * scaling
     if isinstance(weight, DTensor):
-        delta = delta.redistribute(weight.device_mesh, weight.placements)
+        mesh = weight.device_mesh
+        whole = DTensor.from_local(delta, mesh, [Replicate()] * mesh.ndim)
+        delta = whole.redistribute(mesh, weight.placements)
     return weight.to(torch.float32, copy=True) + delta

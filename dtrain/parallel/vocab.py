@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtrain.config import ConfigError
+from dtrain.distributed import redistribute_in_steps
 
 log = logging.getLogger("dtrain")
 EMBEDDING_KEY = "model.model.embed_tokens.weight"  # in a dtrain checkpoint (DCP), under "model."
@@ -168,7 +169,7 @@ def strip_padding(tensor: torch.Tensor, vocab_size: int) -> torch.Tensor:
     dim = max(fits, key=lambda d: (mesh.size(d), d)) if fits else None  # the innermost (tp) on a tie
     if dim is not None:
         placements[dim] = Shard(0)
-    local = tensor.redistribute(mesh, placements).to_local()
+    local = redistribute_in_steps(tensor, placements).to_local()
     if dim is None:
         local = local[:vocab_size]
     else:

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from dtrain.distributed import gather_whole
 from dtrain.model import hf_state_dict
 from dtrain.parallel import fused, lora, qlora, vocab
 
@@ -35,7 +35,7 @@ def whole(param: torch.Tensor) -> torch.Tensor:
     """A parameter's full tensor (a collective for a DTensor); an NF4 base dequantized to fp32 first."""
     if qlora.is_nf4(param):
         param = qlora.dequantized(param, torch.float32)
-    return param.full_tensor() if isinstance(param, DTensor) else param
+    return gather_whole(param)  # an axis at a time: full_tensor() warns on FSDP-after-tp placements
 
 
 @torch.no_grad()

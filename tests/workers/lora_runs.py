@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from dtrain.checks import check_config
 from dtrain.config import (
@@ -93,7 +93,15 @@ def apply_overrides(config: Config, overrides: dict) -> None:
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+    """The whole value, a DTensor gathered one mesh axis at a time: full_tensor() of FSDP-after-tp
+    placements, (_StridedShard, Shard), logs torch's warning that test_qlora holds dtrain's exports to."""
+    if isinstance(tensor, DTensor):
+        placements = list(tensor.placements)
+        for axis in range(len(placements)):
+            placements[axis] = Replicate()
+            tensor = tensor.redistribute(tensor.device_mesh, placements)
+        tensor = tensor.to_local()
+    return tensor.detach().clone()
 
 
 def adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
