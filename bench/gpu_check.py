@@ -3,8 +3,9 @@ the plain PyTorch + transformers loop, on a Llama-3.2-1B-shaped model (random in
 config.json shipped in dtrain/assets/architectures: nothing is downloaded), bf16, eager and
 compiled, with one document per row and with packed rows; dtrain also with parallel.loss_impl=fused;
 then LoRA r=16 (PEFT on the plain loop against dtrain 1×1) and QLoRA (dtrain's NF4 base against
-PEFT on the same base dequantized once), eager and unpacked. tp 2 compiled against tp 2 eager needs
-two GPUs: `python -m dtrain.bench` runs it on every GPU of the machine (its 1x2-style meshes).
+PEFT over bitsandbytes' NF4, and against PEFT on the same base dequantized once), eager and
+unpacked. tp 2 compiled against tp 2 eager needs two GPUs: `python -m dtrain.bench` runs it on
+every GPU of the machine (its 1x2-style meshes).
 Prints each group's rows as it finishes, then one table: tokens/s (all, supervised), MFU, step time,
 peak memory (what each variant adds), ratio to the first row; then the host syncs of one dtrain step
 (CUDA's sync debug mode). Meant to finish in under 8 minutes including compilation and warm-up.
@@ -32,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dtrain.bench.__main__ import print_table  # noqa: E402
+from dtrain.bench.__main__ import lora_pairs, print_pairs, print_table  # noqa: E402
 from dtrain.bench.variants import (  # noqa: E402
     TINY_MODEL,
     Result,
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         group = measure(lora_variants(setup, device, args.lora_r), setup, device, args)
         results += group
         done = f"done at {time.perf_counter() - start:.0f} s"
-        print_table(group, device, f"LoRA and QLoRA, eager, unpacked: {done}")
+        rows = print_table(group, device, f"LoRA and QLoRA, eager, unpacked: {done}")
+        print_pairs(rows, lora_pairs(args.lora_r))
         gc.collect()
     syncs = syncs_per_step(model, args, device) if device.type == "cuda" else None
     if syncs is not None:

@@ -71,4 +71,9 @@ def test_gpu_all_dry_run_runs_every_check(tmp_path):
             assert f"{variant}, {shape}" in names, names
     for variant in ("LoRA r=16: PEFT + plain loop", "LoRA r=16: dtrain 1x1"):  # the bench's LoRA rows
         assert variant in names, names
-    assert {"QLoRA r=16: PEFT, dense NF4 base", "QLoRA r=16: dtrain 1x1, NF4 base"} <= set(names), names
+    qlora = {
+        "QLoRA r=16: PEFT + bitsandbytes NF4",
+        "QLoRA r=16: dtrain 1x1, NF4 base",
+        "QLoRA r=16: PEFT, dense NF4 base",
+    }
+    assert qlora <= set(names), names

@@ -170,8 +170,9 @@ def test_bad_perf_settings_name_the_key(key, value):
 def test_bench_prints_one_table_of_every_variant():
     """Smoke (no timed assertion, and none of the table's own arithmetic, which only restates
     itself): one invocation, one row per variant (the HF Trainer one, or why it did not run), a
-    2-process mesh from torchrun workers, fewer supervised tokens than tokens (the prompts); the DPO
-    table's rows: TRL's DPOTrainer (or why it did not run), dtrain 1×1 unpacked and packed."""
+    2-process mesh from torchrun workers, fewer supervised tokens than tokens (the prompts); the LoRA
+    and QLoRA rows (PEFT over bitsandbytes' NF4 among them) and their ratio lines; the DPO table's
+    rows: TRL's DPOTrainer (or why it did not run), dtrain 1×1 unpacked and packed."""
     command = [sys.executable, "-m", "dtrain.bench", "--seq", "16", "--steps", "1", "--warmup", "1"]
     command += ["--rounds", "1", "--meshes", "2x1", "--dpo-pairs", "4", "--distill", "0"]  # test_distill's
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -193,6 +194,11 @@ def test_bench_prints_one_table_of_every_variant():
         assert (mfu, memory) == ("-", "-"), name  # no peak FLOP/s and no per-variant memory on CPU
         assert 0 < float(supervised) < float(rate), name  # prompt positions carry no targets
     assert rows["dtrain 2x1"][0] == "2"
+    # LoRA and QLoRA (rank 16), each dtrain row beside the baseline it is held to, and their ratios
+    qlora = ["QLoRA r=16: PEFT + bitsandbytes NF4", "QLoRA r=16: dtrain 1x1, NF4 base"]
+    for name in ["LoRA r=16: PEFT + plain loop", "LoRA r=16: dtrain 1x1", *qlora]:
+        assert any(line.startswith(name) for line in lines), name
+    assert any(line.startswith(f"{qlora[1]} / {qlora[0]}: ") for line in lines), result.stdout
 
 
 FAULTS_OF_A_FRESH_BLOCK = """

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from dtrain.bench import distill, dpo
 from dtrain.bench.variants import (
+    QLORA_BASELINE,
     TINY_MOE_MODEL,
     Result,
     Setup,
@@ -102,6 +103,25 @@ def print_table(results: list[Result | str], device: torch.device, header: str) 
     return rows
 
 
+def lora_pairs(r: int) -> list[tuple[str, str]]:
+    """(dtrain's row, the baseline it is held to): LoRA against PEFT, QLoRA against PEFT over
+    bitsandbytes' NF4 (both keep the base in NF4) and against PEFT on a dense copy of its values."""
+    qlora = f"QLoRA r={r}: dtrain 1x1, NF4 base"
+    return [
+        (f"LoRA r={r}: dtrain 1x1", f"LoRA r={r}: PEFT + plain loop"),
+        (qlora, QLORA_BASELINE.format(r=r)),
+        (qlora, f"QLoRA r={r}: PEFT, dense NF4 base"),
+    ]
+
+
+def print_pairs(rows: list[dict], pairs: list[tuple[str, str]]) -> None:
+    """Each pair's tokens/s ratio, where both rows ran."""
+    rates = {row["variant"]: row["tokens_per_s"] for row in rows}
+    for ours, baseline in pairs:
+        if ours in rates and baseline in rates:
+            print(f"{ours} / {baseline}: {rates[ours] / rates[baseline]:.2f}x")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--batch", type=int, default=4, help="rows per micro-batch (per dp rank)")
@@ -168,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.lora_r and importlib.util.find_spec("peft") is None:
         results.append("LoRA: not run (the PEFT baseline needs peft, which is not installed)")
     elif args.lora_r:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            results.append("QLoRA's PEFT + bitsandbytes row: not run (bitsandbytes is not installed)")
         results += measure(
             lora_variants(setup, device, args.lora_r),
             Setup(**{**asdict(setup), "lora_r": args.lora_r}),
@@ -186,7 +208,9 @@ def main(argv: list[str] | None = None) -> None:
         results += [Result(**r) for r in found] if isinstance(found, list) else [f"dtrain {mesh}: {found}"]
     header = f"batch {args.batch} x seq {args.seq} per dp rank, {setup.precision}; "
     rounds = f"best of {args.rounds} rounds of {args.steps} steps"
-    print_table(results, device, header + rounds)
+    rows = print_table(results, device, header + rounds)
+    if args.lora_r:
+        print_pairs(rows, lora_pairs(args.lora_r))
     if args.moe:
         moe = Setup(**{**asdict(setup), "model": dict(TINY_MOE_MODEL)})
         moe_results: list[Result | str] = list(measure(moe_variants(moe, device), moe, device, args))

@@ -9,6 +9,8 @@ bench/gpu_check.py reuses these pieces on a Llama-3.2-1B shape."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -66,6 +68,8 @@ TINY_MOE_MODEL = dict(
 )
 LR, MAX_NORM = 1e-3, 1.0
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # Llama's
+# QLoRA's baseline row: what a QLoRA user runs today (bitsandbytes' NF4 under PEFT)
+QLORA_BASELINE = "QLoRA r={r}: PEFT + bitsandbytes NF4"
 TOKENIZER = Path(__file__).parents[1] / "assets" / "tiny_llama"  # only checked: the data is random ids
 Step = Callable[[], None]
 
@@ -84,7 +88,7 @@ class Setup:
     loss_chunk: int = 0  # dtrain only: parallel.loss_chunk (chunked and fused)
     lora_r: int = 0  # > 0: LoRA adapters of this rank on every projection (PEFT in the plain loop)
     aux_scope: str = "micro_step"  # dtrain only, a mixture of experts: moe.aux_scope
-    base_dtype: str = "auto"  # lora.base_dtype; nf4: the plain loop's base is NF4 dequantized once
+    base_dtype: str = "auto"  # dtrain only: lora.base_dtype (the plain loop takes its base model)
 
 
 @dataclass
@@ -147,17 +151,46 @@ def hf_model(setup: Setup, device: torch.device) -> torch.nn.Module:
     return model.train()
 
 
-def plain_loop(setup: Setup, mb: dict[str, torch.Tensor], device: torch.device) -> Step:
-    """The baseline: a Hugging Face model (its default sdpa attention; packed rows get its own
-    document mask from the restarting position_ids), AdamW (fused, as dtrain's), summed token loss /
-    tokens (a mixture of experts: + coef · HF's aux loss of the batch, from the same forward), clip,
-    step."""
+def dense_nf4_model(setup: Setup, device: torch.device) -> torch.nn.Module:
+    """hf_model with each projection's weight rounded through NF4 and kept dense: the values dtrain's
+    NF4 base computes with, at a dense model's cost."""
     model = hf_model(setup, device)
-    if setup.base_dtype == "nf4":  # the values dtrain's NF4 base computes with, dense
-        with torch.no_grad():
-            for name, module in model.named_modules():
-                if name.endswith(tuple(PROJECTIONS)):
-                    module.weight.copy_(nf4.round_trip(module.weight))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith(tuple(PROJECTIONS)):
+                module.weight.copy_(nf4.round_trip(module.weight))
+    return model
+
+
+def bitsandbytes_model(setup: Setup, device: torch.device) -> torch.nn.Module:
+    """QLoRA's base as PEFT users load it: hf_model's weights saved, then transformers'
+    from_pretrained with bitsandbytes' NF4 (double quantization, computing in the setup's precision):
+    every projection a bitsandbytes Linear4bit that dequantizes its weight at each matmul."""
+    from transformers import BitsAndBytesConfig
+
+    compute = torch.bfloat16 if setup.precision == "bf16" else torch.float32
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute,
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        hf_model(setup, device).save_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=quantization, dtype=torch.float32, device_map={"": device}
+        )
+    return model.train()
+
+
+def plain_loop(
+    setup: Setup, mb: dict[str, torch.Tensor], device: torch.device, base: torch.nn.Module | None = None
+) -> Step:
+    """The baseline: a Hugging Face model (`base`, or hf_model's; its default sdpa attention; packed
+    rows get its own document mask from the restarting position_ids), AdamW (fused, as dtrain's),
+    summed token loss / tokens (a mixture of experts: + coef · HF's aux loss of the batch, from the
+    same forward), clip, step."""
+    model = base if base is not None else hf_model(setup, device)
     if setup.lora_r:
         from peft import LoraConfig, get_peft_model
 
@@ -320,17 +353,25 @@ def in_process_variants(setup: Setup, device: torch.device, loss_chunk: int) -> 
 
 def lora_variants(setup: Setup, device: torch.device, r: int) -> dict[str, Callable[[], Step]]:
     """LoRA (rank r, every projection): PEFT on the plain loop against dtrain 1x1, the same model.
-    QLoRA: dtrain 1x1 on its NF4 base (dequantized after each all-gather, for forward and again for
-    backward) against PEFT on the same base dequantized once, dense: what the NF4 storage costs."""
+    QLoRA: PEFT over bitsandbytes' NF4 base (QLORA_BASELINE, when bitsandbytes is installed: each
+    keeps its base in NF4 and dequantizes it at every matmul), dtrain 1x1 on its NF4 base, and PEFT
+    on the same values dequantized once into a dense model: what keeping the base in NF4 costs."""
     mb = make_batch(setup, device)
     lora = Setup(**{**asdict(setup), "lora_r": r})
     qlora = Setup(**{**asdict(lora), "base_dtype": "nf4"})
-    return {
+    builds = {
         f"LoRA r={r}: PEFT + plain loop": lambda: plain_loop(lora, mb, device),
         f"LoRA r={r}: dtrain 1x1": lambda: dtrain_step(lora, mb, device, 1, 1),
-        f"QLoRA r={r}: PEFT, dense NF4 base": lambda: plain_loop(qlora, mb, device),
-        f"QLoRA r={r}: dtrain 1x1, NF4 base": lambda: dtrain_step(qlora, mb, device, 1, 1),
     }
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        builds[QLORA_BASELINE.format(r=r)] = lambda: plain_loop(
+            qlora, mb, device, bitsandbytes_model(qlora, device)
+        )
+    builds[f"QLoRA r={r}: dtrain 1x1, NF4 base"] = lambda: dtrain_step(qlora, mb, device, 1, 1)
+    builds[f"QLoRA r={r}: PEFT, dense NF4 base"] = lambda: plain_loop(
+        qlora, mb, device, dense_nf4_model(qlora, device)
+    )
+    return builds
 
 
 def moe_variants(setup: Setup, device: torch.device) -> dict[str, Callable[[], Step]]:
