@@ -98,7 +98,7 @@ def runs(inputs, tmp_path_factory):
     # while developing: DTRAIN_DISTILL_ONLY=1x1_b0.5,tp2_dp2_b0.5 runs only those (the other tests fail)
     args += ["--only", os.environ.get("DTRAIN_DISTILL_ONLY", "")]
     for nproc in (1, 4):
-        result = run_worker(nproc, "distill_runs", *args, timeout=600)
+        result = run_worker(nproc, "distill_runs", *args, timeout=1200)
         assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 

@@ -92,7 +92,7 @@ def runs(inputs, tmp_path_factory):
     # while developing: DTRAIN_DPO_ONLY=1x1_sigmoid,dp4_ipo runs only those (the other tests then fail)
     args += ["--only", os.environ.get("DTRAIN_DPO_ONLY", "")]
     for nproc in (1, 4):
-        result = run_worker(nproc, "dpo_runs", *args, timeout=500)
+        result = run_worker(nproc, "dpo_runs", *args, timeout=1200)
         assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 

@@ -52,7 +52,7 @@ def start(command: list[str], env: dict[str, str] = ENV) -> subprocess.Popen:
     )
 
 
-def finish(process: subprocess.Popen, timeout: float = 900) -> tuple[str, str]:  # a shared machine's timeout
+def finish(process: subprocess.Popen, timeout: float = 1800) -> tuple[str, str]:  # a shared machine's timeout
     stdout, stderr = process.communicate(timeout=timeout)
     assert process.returncode == 0, f"{process.args}\n{stderr[-4000:]}"
     return stdout, stderr

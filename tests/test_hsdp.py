@@ -34,7 +34,7 @@ def runs(models, tmp_path_factory):
     args = ["--out", str(out), "--untied", str(models["untied"]), "--moe", str(models["moe"])]
     # while developing: DTRAIN_HSDP_ONLY=moe (or dense) runs only those scenarios (the other tests fail)
     args += ["--only", os.environ.get("DTRAIN_HSDP_ONLY", "")]
-    result = run_worker(8, "hsdp_runs", *args, timeout=600)
+    result = run_worker(8, "hsdp_runs", *args, timeout=1200)
     assert result.returncode == 0, f"8 processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 

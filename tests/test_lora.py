@@ -339,7 +339,7 @@ def test_cli_tp2_lora_trains_and_exports_an_adapter_peft_loads(models, tmp_path)
         "checkpoint.export_dtype=fp32",
         f"hydra.run.dir={tmp_path}",
     ]
-    result = sft(4, *args, timeout=400)
+    result = sft(4, *args, timeout=1200)
     assert result.returncode == 0, result.stdout[-5000:]
     summary = next(line for line in result.stdout.splitlines() if "per-rank shards" in line)
     assert "M trainable (" in summary

@@ -97,7 +97,7 @@ def runs(model_dir, model_without_aux, families, tmp_path_factory):
     # while developing: DTRAIN_MOE_ONLY=ep2_tp2,gpt_oss runs only those (the other tests then fail)
     args += ["--only", os.environ.get("DTRAIN_MOE_ONLY", "")]
     for world in (4, 2, 1):  # 2 and 1: the meshes without FSDP (moe_runs.NO_FSDP)
-        result = run_worker(world, "moe_runs", *args, timeout=400)
+        result = run_worker(world, "moe_runs", *args, timeout=1200)
         assert result.returncode == 0, result.stdout[-6000:]
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 

@@ -61,7 +61,7 @@ def mesh_runs(models, tmp_path_factory):
     for nproc in (1, 4):
         args = ["--out", str(out), "--untied", str(models["untied"]), "--tied", str(models["tied"])]
         args += ["--families", str(models["qwen2"].parent)]
-        result = run_worker(nproc, "mesh_runs", *args, timeout=400)
+        result = run_worker(nproc, "mesh_runs", *args, timeout=1200)
         assert result.returncode == 0, f"{nproc} processes:\n{result.stdout[-6000:]}"
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 
