@@ -33,12 +33,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dtrain.bench.__main__ import lora_pairs, print_pairs, print_table  # noqa: E402
+from dtrain.bench.__main__ import print_pairs, print_table  # noqa: E402
 from dtrain.bench.variants import (  # noqa: E402
+    BITSANDBYTES,
+    NO_BITSANDBYTES,
     TINY_MODEL,
     Result,
     Setup,
     dtrain_step,
+    lora_pairs,
     lora_variants,
     make_batch,
     measure,
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.lora_r:  # PEFT on the plain loop against dtrain 1x1: LoRA, and QLoRA on an NF4 base
         setup = Setup(model, args.batch, args.seq, "bf16", lora_r=args.lora_r)
         group = measure(lora_variants(setup, device, args.lora_r), setup, device, args)
-        results += group
+        results += group if BITSANDBYTES else [*group, NO_BITSANDBYTES]
         done = f"done at {time.perf_counter() - start:.0f} s"
         rows = print_table(group, device, f"LoRA and QLoRA, eager, unpacked: {done}")
         print_pairs(rows, lora_pairs(args.lora_r))

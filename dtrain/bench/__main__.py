@@ -30,11 +30,13 @@ import torch.distributed as dist
 
 from dtrain.bench import distill, dpo
 from dtrain.bench.variants import (
-    QLORA_BASELINE,
+    BITSANDBYTES,
+    NO_BITSANDBYTES,
     TINY_MOE_MODEL,
     Result,
     Setup,
     in_process_variants,
+    lora_pairs,
     lora_variants,
     measure,
     mesh_worker,
@@ -101,17 +103,6 @@ def print_table(results: list[Result | str], device: torch.device, header: str) 
             f"{mfu:>7}{row['step_ms']:>9.1f}{memory:>9}{row['ratio']:>7.2f}"
         )
     return rows
-
-
-def lora_pairs(r: int) -> list[tuple[str, str]]:
-    """(dtrain's row, the baseline it is held to): LoRA against PEFT, QLoRA against PEFT over
-    bitsandbytes' NF4 (both keep the base in NF4) and against PEFT on a dense copy of its values."""
-    qlora = f"QLoRA r={r}: dtrain 1x1, NF4 base"
-    return [
-        (f"LoRA r={r}: dtrain 1x1", f"LoRA r={r}: PEFT + plain loop"),
-        (qlora, QLORA_BASELINE.format(r=r)),
-        (qlora, f"QLoRA r={r}: PEFT, dense NF4 base"),
-    ]
 
 
 def print_pairs(rows: list[dict], pairs: list[tuple[str, str]]) -> None:
@@ -188,8 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.lora_r and importlib.util.find_spec("peft") is None:
         results.append("LoRA: not run (the PEFT baseline needs peft, which is not installed)")
     elif args.lora_r:
-        if importlib.util.find_spec("bitsandbytes") is None:
-            results.append("QLoRA's PEFT + bitsandbytes row: not run (bitsandbytes is not installed)")
+        if not BITSANDBYTES:
+            results.append(NO_BITSANDBYTES)
         results += measure(
             lora_variants(setup, device, args.lora_r),
             Setup(**{**asdict(setup), "lora_r": args.lora_r}),

@@ -68,8 +68,18 @@ TINY_MOE_MODEL = dict(
 )
 LR, MAX_NORM = 1e-3, 1.0
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # Llama's
-# QLoRA's baseline row: what a QLoRA user runs today (bitsandbytes' NF4 under PEFT)
-QLORA_BASELINE = "QLoRA r={r}: PEFT + bitsandbytes NF4"
+# The LoRA and QLoRA rows (`.format(r=...)`); QLORA_BNB, what QLoRA users run today (bitsandbytes'
+# NF4 under PEFT), is the row dtrain's QLoRA is held to, and runs where bitsandbytes is installed
+LORA_PEFT, LORA_DTRAIN = "LoRA r={r}: PEFT + plain loop", "LoRA r={r}: dtrain 1x1"
+QLORA_BNB, QLORA_DTRAIN = "QLoRA r={r}: PEFT + bitsandbytes NF4", "QLoRA r={r}: dtrain 1x1, NF4 base"
+QLORA_DENSE = "QLoRA r={r}: PEFT, dense NF4 base"
+LORA_PAIRS = [
+    (LORA_DTRAIN, LORA_PEFT),
+    (QLORA_DTRAIN, QLORA_BNB),
+    (QLORA_DTRAIN, QLORA_DENSE),
+]  # (ours, baseline)
+BITSANDBYTES = importlib.util.find_spec("bitsandbytes") is not None
+NO_BITSANDBYTES = "QLoRA's PEFT + bitsandbytes row: not run (bitsandbytes is not installed)"
 TOKENIZER = Path(__file__).parents[1] / "assets" / "tiny_llama"  # only checked: the data is random ids
 Step = Callable[[], None]
 
@@ -353,25 +363,28 @@ def in_process_variants(setup: Setup, device: torch.device, loss_chunk: int) -> 
 
 def lora_variants(setup: Setup, device: torch.device, r: int) -> dict[str, Callable[[], Step]]:
     """LoRA (rank r, every projection): PEFT on the plain loop against dtrain 1x1, the same model.
-    QLoRA: PEFT over bitsandbytes' NF4 base (QLORA_BASELINE, when bitsandbytes is installed: each
+    QLoRA: PEFT over bitsandbytes' NF4 base (QLORA_BNB, when bitsandbytes is installed: each
     keeps its base in NF4 and dequantizes it at every matmul), dtrain 1x1 on its NF4 base, and PEFT
     on the same values dequantized once into a dense model: what keeping the base in NF4 costs."""
     mb = make_batch(setup, device)
     lora = Setup(**{**asdict(setup), "lora_r": r})
     qlora = Setup(**{**asdict(lora), "base_dtype": "nf4"})
     builds = {
-        f"LoRA r={r}: PEFT + plain loop": lambda: plain_loop(lora, mb, device),
-        f"LoRA r={r}: dtrain 1x1": lambda: dtrain_step(lora, mb, device, 1, 1),
+        LORA_PEFT.format(r=r): lambda: plain_loop(lora, mb, device),
+        LORA_DTRAIN.format(r=r): lambda: dtrain_step(lora, mb, device, 1, 1),
     }
-    if importlib.util.find_spec("bitsandbytes") is not None:
-        builds[QLORA_BASELINE.format(r=r)] = lambda: plain_loop(
+    if BITSANDBYTES:
+        builds[QLORA_BNB.format(r=r)] = lambda: plain_loop(
             qlora, mb, device, bitsandbytes_model(qlora, device)
         )
-    builds[f"QLoRA r={r}: dtrain 1x1, NF4 base"] = lambda: dtrain_step(qlora, mb, device, 1, 1)
-    builds[f"QLoRA r={r}: PEFT, dense NF4 base"] = lambda: plain_loop(
-        qlora, mb, device, dense_nf4_model(qlora, device)
-    )
+    builds[QLORA_DTRAIN.format(r=r)] = lambda: dtrain_step(qlora, mb, device, 1, 1)
+    builds[QLORA_DENSE.format(r=r)] = lambda: plain_loop(qlora, mb, device, dense_nf4_model(qlora, device))
     return builds
+
+
+def lora_pairs(r: int) -> list[tuple[str, str]]:
+    """LORA_PAIRS' row names at rank r: (dtrain's row, the baseline it is held to)."""
+    return [(ours.format(r=r), baseline.format(r=r)) for ours, baseline in LORA_PAIRS]
 
 
 def moe_variants(setup: Setup, device: torch.device) -> dict[str, Callable[[], Step]]:
