@@ -45,28 +45,31 @@ _seconds: dict[str, float] = {}
 _margins: dict[str, tuple[float, str]] = {}  # test file: its worst (margin, where)
 _file_seconds: dict[str, float] = {}  # test file: its tests' seconds, set-up (its launches) included
 # The files that take longest (a launch of many scenarios, a real run beside the planner's, the
-# signal tests' waits), longest first as measured on 2 cores: each of ./scripts/test.sh's two workers
-# takes the next file when it is done, so the suite ends on short files, neither worker left alone
-# with a long one.
+# signal tests' waits), longest first as measured on 2 cores (seconds per file of a whole run, the
+# summary below): each of ./scripts/test.sh's two workers takes the next file when it is done, so the
+# suite ends on short files, neither worker left alone with a long one. pytest-xdist would otherwise
+# reorder the files by their number of tests (test.sh passes --no-loadscope-reorder): then
+# test_gpu_scripts, one test of 76 s, ran last, alone on one core.
 LONGEST_FIRST = (
-    "test_grpo.py",
-    "test_lora.py",
-    "test_parity.py",
-    "test_estimate.py",
-    "test_dpo.py",
-    "test_distill.py",
     "test_lifecycle.py",
-    "test_qlora.py",
+    "test_estimate.py",
     "test_readme.py",
-    "test_checkpoint.py",
-    "test_perf.py",
-    "test_reliability.py",
-    "test_hsdp.py",
+    "test_dpo.py",
     "test_moe.py",
-    "test_rollout.py",
+    "test_parity.py",
     "test_launch.py",
-    "test_metrics.py",
+    "test_perf.py",
+    "test_lora.py",
+    "test_grpo.py",
+    "test_reliability.py",
+    "test_checkpoint.py",
     "test_gpu_scripts.py",
+    "test_distill.py",
+    "test_hsdp.py",  # after test_parity's and test_moe's, whose cached references it reads
+    "test_metrics.py",
+    "test_qlora.py",
+    "test_front_door.py",
+    "test_data.py",
     "test_fused_loss.py",
 )
 

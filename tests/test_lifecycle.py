@@ -28,6 +28,7 @@ program can tell."""
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import math
@@ -49,6 +50,7 @@ from dtrain.checkpoint import COMPLETE, find_resume_path
 from dtrain.config import CheckpointConfig
 from dtrain.hydra_glue import run_name, with_embedded_defaults
 from dtrain.objectives.dpo import SPEC as DPO
+from dtrain.trainer import scheduled_gc
 from tests.helpers import ROOT, read_metrics, run, sft, wandb_records, worker_command
 
 STEPS = 6
@@ -658,3 +660,23 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
     assert "received SIGINT" in output and "dtrain: interrupted again: stopping without saving" in output
     assert "Traceback" not in output
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_run_pauses_the_garbage_collector_and_gives_it_back():
+    """dtrain.trainer.train runs under scheduled_gc: automatic collection off for the run, the state
+    before restored after it, a failed run included (a sweep's next job, a caller's process), and a
+    caller's own choice to keep it off kept."""
+    assert gc.isenabled()
+    with scheduled_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), scheduled_gc():
+        raise RuntimeError("a failed run")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with scheduled_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
