@@ -1,4 +1,5 @@
-"""dtrain: supervised fine-tuning of Hugging Face causal LMs with TP and FSDP2 on one DeviceMesh."""
+"""dtrain: post-training of Hugging Face causal LMs (SFT, DPO, GRPO, distillation) with TP and FSDP2 on
+one DeviceMesh."""
 
 import logging
 

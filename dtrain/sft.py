@@ -6,9 +6,12 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from dtrain import runner
-from dtrain.hydra_glue import CONF
-from dtrain.objectives.sft import SPEC
+from dtrain import collector
+
+with collector.importing():  # the imports of torch, transformers and datasets (dtrain/collector.py)
+    from dtrain import runner
+    from dtrain.hydra_glue import CONF
+    from dtrain.objectives.sft import SPEC
 
 
 @hydra.main(version_base=None, config_path=str(CONF), config_name=SPEC.config_name)

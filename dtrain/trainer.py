@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import logging
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedTokenizerBase
 
+from dtrain import collector
 from dtrain.checkpoint import Checkpointer, Progress, checkpoint_dir, load, load_objective
 from dtrain.config import Config, MeshShape, TrainConfig
 from dtrain.data.formats import load_tokenizer
@@ -37,7 +36,10 @@ from dtrain.sinks import Sink, open_sinks
 from dtrain.step import optimizer_step
 
 log = logging.getLogger("dtrain")
-GC_EVERY_STEPS = 50  # torchtitan's default (its training.gc_freq)
+# Python's cyclic collector runs at known points of a run (dtrain/collector.py): once the run is
+# built, then every GC_EVERY_STEPS steps, torchtitan's default (its training.gc_freq). Generation 1
+# is everything made since the last collection: nothing is promoted while automatic collection is off.
+GC_EVERY_STEPS = 50
 
 
 @dataclass
@@ -151,25 +153,7 @@ def start_run(
     )
 
 
-@contextlib.contextmanager
-def scheduled_gc() -> Iterator[None]:
-    """Python's automatic garbage collection paused while a run trains, as torchtitan pauses it: a
-    collection walks every tracked object (torch's, transformers' and the model's), each rank at its
-    own moment, and one rank's pause holds the others at the next collective (on a CPU mesh of tiny
-    models, a tenth of the CPU). The run collects at known points instead: once its model and data are
-    built, then every GC_EVERY_STEPS steps (generation 1 is everything made since the last
-    collection: nothing is promoted while automatic collection is off). The state before is restored
-    after the run, for a sweep's next job or a caller's process."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@scheduled_gc()
+@collector.paused()  # collected after building and every GC_EVERY_STEPS steps instead
 def train(
     config: Config,
     shape: MeshShape,

@@ -46,11 +46,12 @@ import torch
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from dtrain import collector
 from dtrain.checkpoint import COMPLETE, find_resume_path
 from dtrain.config import CheckpointConfig
 from dtrain.hydra_glue import run_name, with_embedded_defaults
 from dtrain.objectives.dpo import SPEC as DPO
-from dtrain.trainer import scheduled_gc
+from dtrain.trainer import train
 from tests.helpers import ROOT, read_metrics, run, sft, wandb_records, worker_command
 
 STEPS = 6
@@ -663,19 +664,20 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
 
 
 def test_a_run_pauses_the_garbage_collector_and_gives_it_back():
-    """dtrain.trainer.train runs under scheduled_gc: automatic collection off for the run, the state
-    before restored after it, a failed run included (a sweep's next job, a caller's process), and a
-    caller's own choice to keep it off kept."""
+    """dtrain.trainer.train (and the entry points' imports) run under collector.paused: automatic
+    collection off inside, the state before restored after it, a failed run included (a sweep's next
+    job, a caller's process), and a caller's own choice to keep it off kept."""
+    assert train.__wrapped__  # train is collector.paused's
     assert gc.isenabled()
-    with scheduled_gc():
+    with collector.paused():
         assert not gc.isenabled()
     assert gc.isenabled()
-    with pytest.raises(RuntimeError), scheduled_gc():
+    with pytest.raises(RuntimeError), collector.paused():
         raise RuntimeError("a failed run")
     assert gc.isenabled()
     gc.disable()
     try:
-        with scheduled_gc():
+        with collector.paused():
             pass
         assert not gc.isenabled()
     finally:
