@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import gc
 import logging
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from dtrain import collector
 from dtrain.attention import config_window
 from dtrain.checks import check_config
 from dtrain.config import Config, ConfigError, MeshShape
@@ -175,13 +175,8 @@ def plan(config: Config, world_size: int, attention_backend: str = CUDA_ATTENTIO
     _quiet_dtensor()
     # Fake tensors make many short-lived objects; the cycle collector would cost a third of the run
     # (the tracker sees frees through weak references, which reference counting alone triggers).
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector.paused():
         return _plan(config, world_size, start, attention_backend)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def _plan(config: Config, world_size: int, start: float, attention_backend: str) -> Plan:

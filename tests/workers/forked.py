@@ -84,8 +84,8 @@ def main() -> None:
     port = free_port()
     sys.stdout.flush(), sys.stderr.flush()
     # What the imports made, out of the cyclic collector's reach: each rank's collections then walk
-    # only what it makes itself (a twentieth of a launch's CPU), and touch none of the pages it
-    # shares with this process.
+    # only what it makes itself (a twentieth of a launch's CPU), and no longer write the collector's
+    # bookkeeping into the pages it shares with this process.
     gc.freeze()
     children: dict[int, int] = {}
     for rank in range(world):
