@@ -93,12 +93,16 @@ COMMANDS = {document: bash_commands(document) for document in DOCUMENTS}
 # What the set-up leaves the user's shell with, replayed before every command: the README's commands
 # that change the shell itself, not a process.
 SHELL_SETUP = [command for command in COMMANDS["README.md"] if command.split()[0] in ("source", "export")]
-RUNNABLE = [
-    command
-    for document in DOCUMENTS
-    for command in COMMANDS[document]
-    if command not in COVERED_ELSEWHERE and command not in SHELL_SETUP
-]
+# Each command once, in the order of its first appearance (README's sweep and its plot are also
+# docs/launching.md's: the same text, run once).
+RUNNABLE = list(
+    dict.fromkeys(
+        command
+        for document in DOCUMENTS
+        for command in COMMANDS[document]
+        if command not in COVERED_ELSEWHERE and command not in SHELL_SETUP
+    )
+)
 VENV = Path(sys.prefix)  # the environment scripts/venv.sh made (.venv, or DTRAIN_VENV's)
 
 
