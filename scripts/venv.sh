@@ -24,9 +24,9 @@ BITSANDBYTES=0.50.2  # tests only: dtrain's NF4 (lora.base_dtype=nf4) is its own
 # The installs skip pip's byte-compilation (a file at a time) for one compileall on every core
 # after them: 49 s of set-up instead of 59 s on 2 cores. Files this Python cannot compile (torch's
 # Python 3.12 test helpers) are skipped, as pip skips them.
-# Compiling lazily instead (at first import) is no saving: where PYTHONDONTWRITEBYTECODE is set (it is on
-# the machines this project is developed on), nothing is kept and every process compiles its imports again (17.8 s of CPU to
-# import dtrain.sft instead of 7.4).
+# Compiling lazily instead (at first import) is no saving: where PYTHONDONTWRITEBYTECODE is set (it
+# is on the machines this project is developed on), nothing is kept and every process compiles its
+# imports again (17.8 s of CPU to import dtrain.sft instead of 7.4).
 PIP_INSTALL=("$PY" -m pip install -q --no-compile)
 INSTALLED=
 compile_installed() {
